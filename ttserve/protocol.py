@@ -1,0 +1,70 @@
+"""The wire protocol's version and how peers check it.
+
+Every gRPC call between ttserve services carries the caller's protocol version as metadata; the
+server refuses a different version before any handler runs, and clients compare the version a
+server reports in Describe / GetServerInfo. Bump PROTOCOL_VERSION on any change a peer of the
+previous version would misread (fields are only ever added, so that is rare).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+
+PROTOCOL_VERSION = 1
+METADATA_KEY = "ttserve-protocol-version"
+CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
+
+
+class ProtocolMismatch(RuntimeError):
+    """The peer speaks another protocol version."""
+
+
+def mismatch_message(peer_version: object, peer: str) -> str:
+    return (f"ttserve protocol mismatch: {peer} speaks protocol version {peer_version}, this "
+            f"process speaks version {PROTOCOL_VERSION}; upgrade both to the same ttserve release")
+
+
+def check_peer_version(peer_version: int, peer: str) -> None:
+    """Raise ProtocolMismatch unless a peer's reported version equals ours."""
+    if peer_version != PROTOCOL_VERSION:
+        raise ProtocolMismatch(mismatch_message(peer_version, peer))
+
+
+class ProtocolVersionInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls whose metadata names another protocol version (FAILED_PRECONDITION).
+
+    Calls without the key (grpcurl, health probes, reflection) pass: only a peer that states a
+    different version is known to be incompatible.
+    """
+
+    def __init__(self, service_prefix: str = "/ttserve.") -> None:
+        self._prefix = service_prefix
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        if not details.method.startswith(self._prefix):
+            return await continuation(details)
+        stated = dict(details.invocation_metadata or ()).get(METADATA_KEY)
+        if stated is None or stated == str(PROTOCOL_VERSION):
+            return await continuation(details)
+        message = mismatch_message(stated, "the client")
+        return _refusal(await continuation(details), message)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def refuse(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+    async def refuse_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
