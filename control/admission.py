@@ -1,0 +1,51 @@
+"""Admission checks: refuse at once, with a message that says what is allowed, any request the
+system cannot serve, so that nothing reaches the scheduler that could never finish.
+
+Start-up caps max_model_len at one lane's KV capacity, so any request within max_model_len can
+always run to completion once it is alone on its lane.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .request import Request
+
+
+class AdmissionError(ValueError):
+    """The request itself is wrong (HTTP 400)."""
+
+
+class Unavailable(RuntimeError):
+    """The service cannot take requests now (HTTP 503)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+
+
+def check_request(request: Request, unsupported: list[str], limits: Limits) -> None:
+    """Raise AdmissionError for a request that cannot be served.
+
+    `unsupported` names the options the request set to non-neutral values that this release
+    does not apply: refusing beats silently ignoring them.
+    """
+    prompt_len = request.num_prompt_tokens
+    if prompt_len == 0:
+        raise AdmissionError("the prompt is empty: at least one prompt token is required")
+    if prompt_len >= limits.max_model_len:
+        raise AdmissionError(
+            f"the prompt has {prompt_len} tokens, but this model's maximum context length is "
+            f"{limits.max_model_len} tokens (prompt plus at least one generated token)")
+    if request.sampling.max_tokens < 1:
+        raise AdmissionError(f"max_tokens must be at least 1, got {request.sampling.max_tokens}")
+    bad = [t for t in request.prompt_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise AdmissionError(f"prompt token id {bad[0]} is out of range: the vocabulary has "
+                             f"{limits.vocab_size} tokens (ids 0..{limits.vocab_size - 1})")
+    if request.sampling.temperature < 0 or not 0 < request.sampling.top_p <= 1:
+        raise AdmissionError("temperature must be >= 0 and top_p in (0, 1]")
+    if unsupported:
+        raise AdmissionError(f"{', '.join(unsupported)}: not supported by this ttserve release "
+                             "yet; remove it from the request")

@@ -1,0 +1,89 @@
+"""Control-plane flags (names follow vLLM's) and start-up."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from .engine import Engine, EngineConfig
+
+log = logging.getLogger("ttserve.control")
+
+
+class ConfigError(ValueError):
+    """A flag value the control plane refuses at start-up."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("control plane")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=50051, help="gRPC port of engine.proto")
+    g.add_argument("--worker", action="append", default=None, metavar="HOST:PORT",
+                   help="device worker address (default 127.0.0.1:50061)")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once, per lane")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="prefill tokens per step; longer prompts are prefilled in chunks")
+    g.add_argument("--max-model-len", type=int, default=0,
+                   help="longest sequence (prompt + output); default the model's own limit")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="number of lanes")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
+    g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, flag) != 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported: "
+                              "parallelism on Tenstorrent lives in the mesh; set MESH_DEVICE on the worker")
+    if args.max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be a positive per-lane count, got {args.max_num_seqs}")
+    if args.max_num_batched_tokens < 1:
+        raise ConfigError(f"--max-num-batched-tokens must be positive, got {args.max_num_batched_tokens}")
+    if args.data_parallel_size != 1:
+        raise ConfigError(f"--data-parallel-size {args.data_parallel_size}: this release serves one "
+                          "lane; lanes and data parallelism are not implemented yet")
+    workers = args.worker or ["127.0.0.1:50061"]
+    if len(workers) != 1:
+        raise ConfigError(f"{len(workers)} --worker addresses given: this release drives exactly one worker")
+    if args.enable_prefix_caching:
+        log.warning("--enable-prefix-caching: prefix caching is not implemented in this release; "
+                    "serving without it")
+    return EngineConfig(worker_address=workers[0], max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = engine_config(args)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    return asyncio.run(_serve(config, args.host, args.port))
+
+
+async def _serve(config: EngineConfig, host: str, port: int) -> int:
+    from .server import serve
+
+    engine = Engine(config)
+    try:
+        server = await serve(engine, host, port)
+    except (OSError, RuntimeError) as e:
+        log.error("cannot listen on %s:%d: %s", host, port, e)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner = asyncio.create_task(engine.run())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({engine.fatal, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    runner.cancel()
+    await server.stop(grace=2.0)
+    if engine.fatal.done():
+        log.error("%s", engine.fatal.result())
+        return 1
+    return 0

@@ -1,0 +1,85 @@
+"""A request as the control plane tracks it: token ids in, token ids out."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # not on a device row; KV (if any) freed
+    RUNNING = "running"      # holds a row and blocks
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"            # EOS or a stop token id
+    LENGTH = "length"        # max_tokens or max_model_len
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """What one request asks of sampling (applied by the worker) and of stopping (applied here)."""
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    client_id: int = 0
+    arrival_time: float = 0.0
+    cache_salt: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Invariant: KV of all_token_ids[:num_computed_tokens] is in the blocks of block_ids.
+    num_computed_tokens: int = 0
+    # The prefill since the last (re)admission has sampled: the request decodes from now on.
+    prefilled: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    # Lane-local slot while RUNNING; the device row is lane * max_num_seqs + slot.
+    slot: int | None = None
+    # True once the worker has this request's device state (NewRequest sent, not released).
+    on_device: bool = False
+    # Index into output_token_ids up to which outputs have been sent to the client.
+    num_sent_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    error: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        """The request needs prefill steps before it can decode.
+
+        Prefill computes all known tokens (the prompt, or for a resumed request prompt + outputs)
+        and samples the next one, after which exactly the last token lacks KV: decode feeds it.
+        """
+        return not self.prefilled
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

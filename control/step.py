@@ -1,0 +1,47 @@
+"""What one device step does, as the scheduler plans it (domain objects, not protobuf)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+class StepKind(enum.Enum):
+    EMPTY = "empty"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(slots=True)
+class PrefillWork:
+    request: Request
+    start: int                  # first token position of the chunk
+    end: int                    # one past the chunk's last position
+    new_block_ids: list[int]
+    sample: bool                # the chunk ends the known tokens: the next token is sampled
+
+
+@dataclass(slots=True)
+class DecodeWork:
+    request: Request
+    token_id: int               # the last token, fed at `position`
+    position: int
+    new_block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step of one lane. Invariant: prefill and decode are never both non-empty."""
+    kind: StepKind = StepKind.EMPTY
+    lane: int = 0
+    # Requests whose device state the worker creates before running this step.
+    new_requests: list[Request] = field(default_factory=list)
+    # Requests whose device state the worker drops before running this step.
+    released_ids: list[str] = field(default_factory=list)
+    prefill: list[PrefillWork] = field(default_factory=list)
+    decode: list[DecodeWork] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.end - w.start for w in self.prefill) + len(self.decode)

@@ -1,0 +1,117 @@
+"""The one place the control plane converts between protobuf and its domain objects."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ttserve.v1 import device_pb2, engine_pb2
+
+from .request import FinishReason, Request, SamplingParams
+from .step import StepKind, StepPlan
+
+_FINISH = {None: engine_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
+           FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
+           FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT, FinishReason.ERROR: engine_pb2.FINISH_REASON_ERROR}
+_STEP_KIND = {StepKind.EMPTY: device_pb2.STEP_KIND_EMPTY, StepKind.PREFILL: device_pb2.STEP_KIND_PREFILL,
+              StepKind.DECODE: device_pb2.STEP_KIND_DECODE}
+
+
+# ---- engine.proto ------------------------------------------------------------------------
+def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request, list[str]]:
+    """The request, and the names of options it sets that this release does not apply."""
+    s = add.sampling
+    sampling = SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0,
+        top_k=max(s.top_k, 0), seed=s.seed if s.HasField("seed") else None,
+        min_tokens=s.min_tokens, stop_token_ids=frozenset(s.stop_token_ids),
+        eos_token_ids=frozenset(add.eos_token_ids), ignore_eos=s.ignore_eos)
+    unsupported = [name for name, is_set in (
+        ("min_p", s.min_p > 0), ("presence_penalty", s.presence_penalty != 0),
+        ("frequency_penalty", s.frequency_penalty != 0),
+        ("repetition_penalty", s.repetition_penalty not in (0.0, 1.0)),
+        ("logprobs", s.HasField("logprobs")), ("prompt_logprobs", s.HasField("prompt_logprobs")),
+        ("logit_bias", bool(s.logit_bias)), ("allowed_token_ids", bool(s.allowed_token_ids)),
+        ("bad_words", bool(s.bad_words))) if is_set]
+    request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
+                      sampling=sampling, client_id=client_id,
+                      arrival_time=add.arrival_time or time.time(), cache_salt=add.cache_salt)
+    return request, unsupported
+
+
+def output_to_pb(request: Request) -> engine_pb2.RequestOutput:
+    """The request's delta since its last output; advances its sent mark."""
+    new = request.output_token_ids[request.num_sent_tokens:]
+    out = engine_pb2.RequestOutput(request_id=request.request_id, new_token_ids=new,
+                                   finish_reason=_FINISH[request.finish_reason], error=request.error)
+    if request.num_sent_tokens == 0:
+        out.num_cached_tokens = request.num_cached_tokens
+    if request.stop_token_id is not None:
+        out.stop_token_id = request.stop_token_id
+    request.num_sent_tokens = len(request.output_token_ids)
+    return out
+
+
+def admission_pb(request_id: str, verdict: int, message: str = "") -> engine_pb2.ServerMessage:
+    return engine_pb2.ServerMessage(admission=engine_pb2.Admission(
+        request_id=request_id, verdict=verdict, message=message))
+
+
+# ---- device.proto ------------------------------------------------------------------------
+@dataclass(slots=True)
+class WorkerDescription:
+    address: str
+    backend: str
+    device: str
+    model_path: str
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    supports_chunked_prefill: bool
+    num_blocks_per_lane: int = 0
+    block_size: int = 0
+    prefill_buckets: list[int] = field(default_factory=list)
+
+
+def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> WorkerDescription:
+    return WorkerDescription(
+        address=address, backend=d.backend, device=d.device, model_path=d.model_path,
+        architecture=d.architecture, vocab_size=d.vocab_size,
+        max_position_embeddings=d.max_position_embeddings, eos_token_ids=list(d.eos_token_ids),
+        supports_chunked_prefill=d.capabilities.supports_chunked_prefill,
+        num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
+        prefill_buckets=list(d.prefill_buckets))
+
+
+def step_batch_to_pb(step_id: int, plan: StepPlan, max_num_seqs: int) -> device_pb2.StepBatch:
+    batch = device_pb2.StepBatch(step_id=step_id, kind=_STEP_KIND[plan.kind],
+                                 released_request_ids=plan.released_ids)
+    for request in plan.new_requests:
+        s = request.sampling
+        sampling = device_pb2.DeviceSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+        if s.seed is not None:
+            sampling.seed = s.seed
+        batch.new_requests.add(request_id=request.request_id, lane=plan.lane,
+                               row=plan.lane * max_num_seqs + request.slot, sampling=sampling)
+    for work in plan.prefill:
+        all_ids = work.request.all_token_ids
+        batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
+                          start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample)
+    for work in plan.decode:
+        batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
+                         position=work.position, new_block_ids=work.new_block_ids)
+    return batch
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    step_id: int
+    sampled: dict[str, int]
+    model_s: float
+    total_s: float
+
+
+def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
+    return StepOutcome(step_id=result.step_id,
+                       sampled={t.request_id: t.token_id for t in result.tokens},
+                       model_s=result.timings.model_s, total_s=result.timings.total_s)

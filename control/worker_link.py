@@ -1,0 +1,85 @@
+"""The control plane's connection to one device worker: describe, warm up, step."""
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from ttserve.protocol import CALL_METADATA, check_peer_version
+from ttserve.v1 import device_pb2, device_pb2_grpc
+
+from .step import StepPlan
+from .wire import StepOutcome, WorkerDescription, description_from_pb, step_batch_to_pb, step_result_from_pb
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """The worker failed or went away; the message names it and says why."""
+
+
+class WorkerLink:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        self._stub = device_pb2_grpc.DeviceStub(self._channel)
+        self._stream: grpc.aio.StreamStreamCall | None = None
+        self._next_step_id = 1
+
+    async def describe(self, timeout: float = 10.0) -> WorkerDescription:
+        try:
+            d = await self._stub.Describe(device_pb2.DescribeRequest(), metadata=CALL_METADATA,
+                                          timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise WorkerError(f"worker at {self.address} is unreachable: {e.details()}") from e
+        check_peer_version(d.protocol_version, f"the worker at {self.address}")
+        return description_from_pb(d, self.address)
+
+    async def warmup(self, num_lanes: int, max_num_seqs: int, max_model_len: int,
+                     max_num_batched_tokens: int) -> WorkerDescription:
+        request = device_pb2.WarmupRequest(num_lanes=num_lanes, max_num_seqs=max_num_seqs,
+                                           max_model_len=max_model_len,
+                                           max_num_batched_tokens=max_num_batched_tokens)
+        started = time.monotonic()
+        try:
+            async for progress in self._stub.Warmup(request, metadata=CALL_METADATA):
+                log.info("worker %s warmup: %s %d/%d %s", self.address, progress.phase,
+                         progress.completed, progress.total, progress.detail)
+                if progress.done:
+                    log.info("worker %s warm after %.1f s", self.address, time.monotonic() - started)
+                    return description_from_pb(progress.description, self.address)
+        except grpc.aio.AioRpcError as e:
+            raise WorkerError(f"worker at {self.address} failed warmup: {e.details()}") from e
+        raise WorkerError(f"worker at {self.address} ended warmup without reporting done")
+
+    async def open(self) -> None:
+        """Open the ordered step stream; device state of requests lives as long as it does."""
+        self._stream = self._stub.Step(metadata=CALL_METADATA)
+        self._next_step_id = 1
+
+    async def step(self, plan: StepPlan, max_num_seqs: int) -> StepOutcome:
+        assert self._stream is not None, "open() the step stream first"
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        try:
+            await self._stream.write(step_batch_to_pb(step_id, plan, max_num_seqs))
+            result = await self._stream.read()
+        except grpc.aio.AioRpcError as e:
+            self._stream = None
+            raise WorkerError(f"worker at {self.address} failed: {e.details()}") from e
+        if result is grpc.aio.EOF:
+            self._stream = None
+            raise WorkerError(f"worker at {self.address} closed the step stream")
+        if result.error:
+            self._stream = None
+            raise WorkerError(f"worker at {self.address} failed step {step_id}: {result.error}")
+        assert result.step_id == step_id, f"step {result.step_id} answered for {step_id}"
+        return step_result_from_pb(result)
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        await self._channel.close()

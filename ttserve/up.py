@@ -1,0 +1,117 @@
+"""`ttserve up`: the whole stack on one host, each service its own process.
+
+Every flag goes to the services that declare it (`--max-num-seqs` to the control plane,
+`--backend` to the worker, `--api-key` to the gateway, `--host` to all); a flag no service
+declares is refused. `--port` is the gateway's; the internal gRPC ports have their own flags.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+log = logging.getLogger("ttserve.up")
+
+# Start order; shutdown runs in reverse so no service outlives the one it depends on.
+SERVICES = ("worker", "control", "gateway")
+
+
+def _service_parser(name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"ttserve {name}", add_help=False)
+    importlib.import_module(f"ttserve.{name}.config").add_arguments(parser)
+    return parser
+
+
+def _consumed(parser: argparse.ArgumentParser, tokens: list[str]) -> list[bool]:
+    """Which tokens the parser takes: the ones it does not return as unknown (an ordered
+    subsequence of `tokens`)."""
+    _, unknown = parser.parse_known_args(tokens)
+    mask, j = [], 0
+    for token in tokens:
+        if j < len(unknown) and unknown[j] == token:
+            mask.append(False)
+            j += 1
+        else:
+            mask.append(True)
+    return mask
+
+
+def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str]]]:
+    """up's own flags, and each service's share of the rest."""
+    own = argparse.ArgumentParser(prog="ttserve up", description=__doc__)
+    own.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway")
+    own.add_argument("--control-port", type=int, default=50051)
+    own.add_argument("--worker-port", type=int, default=50061)
+    own.add_argument("--ready-timeout", type=float, default=900.0,
+                     help="seconds to wait for the stack to serve")
+    args, rest = own.parse_known_args(argv)
+    masks = {name: _consumed(_service_parser(name), rest) for name in SERVICES}
+    orphans = [t for i, t in enumerate(rest) if t.startswith("-") and not any(m[i] for m in masks.values())]
+    if orphans:
+        own.error(f"unrecognized flag(s) {' '.join(orphans)}: no service (gateway, control, worker) "
+                  "declares them; see `ttserve gateway|control|worker --help`")
+    shares = {name: [t for t, keep in zip(rest, mask) if keep] for name, mask in masks.items()}
+    host = _host(shares["gateway"])
+    shares["worker"] += ["--port", str(args.worker_port)]
+    shares["control"] += ["--port", str(args.control_port), "--worker", f"{host}:{args.worker_port}"]
+    shares["gateway"] += ["--port", str(args.port), "--control", f"{host}:{args.control_port}"]
+    return args, shares
+
+
+def _host(tokens: list[str]) -> str:
+    parsed, _ = _service_parser("gateway").parse_known_args(tokens)
+    return "127.0.0.1" if parsed.host in ("0.0.0.0", "::", "") else parsed.host
+
+
+def up(argv: list[str]) -> int:
+    args, shares = split_flags(argv)
+    procs: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        for name in SERVICES:
+            procs[name] = subprocess.Popen([sys.executable, "-m", f"ttserve.{name}", *shares[name]])
+        url = f"http://{_host(shares['gateway'])}:{args.port}"
+        deadline, announced = time.monotonic() + args.ready_timeout, False
+        while not stopping:
+            for name, proc in procs.items():
+                if proc.poll() is not None:
+                    log.error("%s exited with code %d; stopping the stack", name, proc.returncode)
+                    return proc.returncode or 1
+            if not announced:
+                if _serving(url):
+                    log.info("ttserve is serving at %s/v1 (Ctrl-C stops it)", url)
+                    announced = True
+                elif time.monotonic() > deadline:
+                    log.error("the stack did not serve within %.0f s", args.ready_timeout)
+                    return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        for name in reversed(SERVICES):
+            proc = procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def _serving(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,100 @@
+"""Worker flags (names follow vLLM's), backend choice and start-up."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+import signal
+
+log = logging.getLogger("ttserve.worker")
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": "float32"}
+
+
+class StartupError(RuntimeError):
+    """The worker cannot start as configured; one line says why."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("device worker")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=50061, help="gRPC port of device.proto")
+    g.add_argument("--model", default="smollm2",
+                   help="a local Hugging Face folder, or an embedded model name (smollm2)")
+    g.add_argument("--backend", default="auto", choices=("auto", "torch", "ttnn", "sim"),
+                   help="auto: ttnn when it imports and chips are present, else torch")
+    g.add_argument("--device", default="cpu", help="torch device of the torch backend (cpu, cuda)")
+    g.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
+                   help="weights and KV dtype of the torch backend (auto = float32)")
+    g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
+                   help="KV cache budget over all lanes, bytes")
+    g.add_argument("--additional-config", default=None,
+                   help='device options, e.g. \'{"tt": {"trace_mode": "all"}}\'')
+
+
+def choose_backend(requested: str) -> tuple[str, str]:
+    """The backend to run and why."""
+    if requested == "torch":
+        return "torch", "requested"
+    if requested in ("ttnn", "sim"):
+        raise StartupError(f"--backend {requested} is not available in this release; use --backend torch")
+    if importlib.util.find_spec("ttnn") is None:
+        return "torch", "ttnn is not installed"
+    return "torch", "the ttnn backend is not available in this release"
+
+
+def build_service(args: argparse.Namespace):
+    import torch
+
+    from .model_prepare import ModelPrepareError, resolve_model
+    from .options import OptionError, parse_additional_config
+    from .registry import UnknownArchitecture, reference_models, resolve
+    from .runner import ModelRunner
+    from .server import DeviceService
+
+    try:
+        options = parse_additional_config(args.additional_config)
+        if args.block_size < 1 or args.kv_cache_memory_bytes < 1:
+            raise StartupError("--block-size and --kv-cache-memory-bytes must be positive")
+        backend, why = choose_backend(args.backend)
+        model_path = resolve_model(args.model)
+        runner_config = ModelRunner.read_config(model_path)
+        architecture, model_cls = resolve(runner_config.get("architectures") or [], reference_models())
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise StartupError("--device cuda: torch sees no CUDA device on this host")
+    except (OptionError, ModelPrepareError, UnknownArchitecture, StartupError, RuntimeError) as e:
+        raise StartupError(str(e)) from e
+    log.info("backend %s (%s); model %s (%s) on %s; tt options %s", backend, why, model_path,
+             architecture, device, options or "none")
+    runner = ModelRunner(model_path, model_cls, architecture, device,
+                         getattr(torch, _DTYPES[args.dtype]), args.block_size, args.kv_cache_memory_bytes)
+    return DeviceService(runner, backend, str(device))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        service = build_service(args)
+    except StartupError as e:
+        log.error("%s", e)
+        return 1
+    return asyncio.run(_serve(service, args.host, args.port))
+
+
+async def _serve(service, host: str, port: int) -> int:
+    from .server import serve
+
+    try:
+        server = await serve(service, host, port)
+    except RuntimeError as e:
+        log.error("cannot listen on %s:%d: %s", host, port, e)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)
+    return 0

@@ -1,0 +1,225 @@
+"""Drives a model through the generator contract: turns step batches into model calls.
+
+The runner owns the per-request device state for the life of one step stream (row, block
+table, sampling parameters, random generator) so each step carries only deltas, and the KV cache
+tensors for the life of the process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
+from .sampling import SamplingBatch
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int, str], None]  # phase, completed, total, detail
+
+
+class StepError(RuntimeError):
+    """A step batch the runner cannot execute (a control-plane bug or a device failure)."""
+
+
+@dataclass(slots=True)
+class RequestState:
+    row: int
+    lane: int
+    temperature: float
+    top_p: float
+    top_k: int
+    generator: torch.Generator | None
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class KvLayout:
+    num_blocks_per_lane: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class ModelRunner:
+    def __init__(self, model_path: Path, model_cls: type, architecture: str, device: torch.device,
+                 dtype: torch.dtype, block_size: int, kv_cache_bytes: int) -> None:
+        self.model_path = model_path
+        self.model_cls = model_cls
+        self.architecture = architecture
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.kv_cache_bytes = kv_cache_bytes
+        self.hf_config: dict = self.read_config(model_path)
+        self.config: ServingConfig | None = None
+        self.layout: KvLayout | None = None
+        self.model = None
+        self.kv_cache = None
+        self._requests: dict[str, RequestState] = {}
+
+    # ---- model facts ---------------------------------------------------------------------
+    @staticmethod
+    def read_config(model_path: Path) -> dict:
+        return json.loads((model_path / "config.json").read_text())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.hf_config.get("max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        for source in (self.hf_config, self._generation_config()):
+            eos = source.get("eos_token_id")
+            for token in eos if isinstance(eos, list) else [eos]:
+                if token is not None and token not in ids:
+                    ids.append(int(token))
+        return ids
+
+    def _generation_config(self) -> dict:
+        path = self.model_path / "generation_config.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    @property
+    def capabilities(self) -> dict[str, bool]:
+        return dict(self.model_cls.model_capabilities)
+
+    # ---- warmup --------------------------------------------------------------------------
+    def warmup(self, config: ServingConfig, progress: Progress) -> None:
+        if self.config is not None:
+            if config != self.config:
+                raise ValueError(f"this worker is already serving {self.config}; refusing a second "
+                                 f"configuration {config}: restart the worker to change it")
+            return
+        progress("load", 0, 1, f"{self.architecture} from {self.model_path}")
+        self.model = self.model_cls.initialize_vllm_model(
+            self.hf_config, self.device, config.max_num_seqs, config.max_model_len,
+            tt_data_parallel=config.num_lanes, model_path=str(self.model_path), dtype=self.dtype)
+        progress("load", 1, 1, "weights loaded")
+        self.layout = self._kv_layout(config)
+        progress("allocate", 0, 1, f"{self.layout.num_blocks_per_lane} blocks x {self.block_size} "
+                 f"tokens per lane, {config.num_lanes} lane(s)")
+        shape = (self.layout.num_blocks_per_lane, self.layout.num_kv_heads, self.block_size,
+                 self.layout.head_dim)
+        self.kv_cache = self.model.allocate_kv_cache(shape, self.dtype, self.layout.num_layers)
+        progress("allocate", 1, 1, "KV cache allocated")
+        rows = config.num_lanes * config.max_num_seqs
+        max_blocks = -(-config.max_model_len // self.block_size)
+        # Persistent page table, one row per device row; rows of released requests go stale but
+        # are never read: decode reads only rows with a position, prefill only its own rows.
+        self._page_table = torch.zeros(rows, max_blocks, dtype=torch.int32)
+        self.config = config
+
+    def _kv_layout(self, config: ServingConfig) -> KvLayout:
+        c = self.hf_config
+        num_heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // num_heads)
+        num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        num_layers = int(c["num_hidden_layers"])
+        bytes_per_block = (num_layers * 2 * num_kv_heads * self.block_size * head_dim
+                           * torch.empty((), dtype=self.dtype).element_size())
+        wanted = -(-config.max_num_seqs * config.max_model_len // self.block_size)
+        affordable = self.kv_cache_bytes // (bytes_per_block * config.num_lanes)
+        if affordable < 1:
+            raise ValueError(f"--kv-cache-memory-bytes {self.kv_cache_bytes} cannot hold one KV block "
+                             f"({bytes_per_block * config.num_lanes} bytes over {config.num_lanes} lanes)")
+        return KvLayout(min(wanted, affordable), self.block_size, num_layers, num_kv_heads, head_dim)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        """A new step stream starts with no request state."""
+        self._requests.clear()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        if self.config is None:
+            raise StepError("step received before warmup")
+        started = time.perf_counter()
+        for request_id in batch.released_ids:
+            self._requests.pop(request_id, None)
+        for new in batch.new_requests:
+            self._add(new)
+        result = StepResult(step_id=batch.step_id, sampled_on_device=True)
+        if batch.kind == "prefill":
+            result.tokens = self._prefill(batch.prefill)
+        elif batch.kind == "decode":
+            result.tokens = self._decode(batch.decode)
+        result.model_s = time.perf_counter() - started
+        result.total_s = result.model_s
+        return result
+
+    def _add(self, new: NewRequest) -> None:
+        generator = None
+        if new.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(new.seed)
+        self._requests[new.request_id] = RequestState(
+            new.row, new.lane, new.temperature, new.top_p, new.top_k, generator)
+
+    def _state(self, request_id: str, new_block_ids: list[int]) -> RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise StepError(f"request {request_id} has no device state (never added, or released)")
+        if new_block_ids:
+            first = len(state.block_ids)
+            state.block_ids += new_block_ids
+            self._page_table[state.row, first:first + len(new_block_ids)] = torch.tensor(
+                new_block_ids, dtype=torch.int32)
+        return state
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
+        states = [self._state(c.request_id, c.new_block_ids) for c in chunks]
+        # The torch backend pads to the longest chunk of the batch, not to a traced bucket:
+        # on a CPU, padding is pure extra arithmetic.
+        width = max(len(c.token_ids) for c in chunks)
+        tokens = torch.zeros(len(chunks), width, dtype=torch.long)
+        for i, chunk in enumerate(chunks):
+            tokens[i, :len(chunk.token_ids)] = torch.tensor(chunk.token_ids, dtype=torch.long)
+        rows = [s.row for s in states]
+        # An intermediate chunk samples nothing: greedy and without its generator, so a seeded
+        # request draws the same random numbers however its prompt was chunked.
+        sampling = _sampling_batch([s if c.sample else None for s, c in zip(states, chunks)])
+        out = self.model.prefill_forward(
+            tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
+            prompt_lens=torch.tensor([c.start_pos + len(c.token_ids) for c in chunks]),
+            start_pos=torch.tensor([c.start_pos for c in chunks]), enable_trace=False,
+            sampling_params=sampling, empty_slots=rows)
+        sampled = out.tolist()
+        return {c.request_id: int(t) for c, t in zip(chunks, sampled) if c.sample}
+
+    def _decode(self, items: list[DecodeItem]) -> dict[str, int]:
+        assert self.config is not None
+        rows = self.config.num_lanes * self.config.max_num_seqs
+        tokens = torch.zeros(rows, 1, dtype=torch.long)
+        positions = torch.full((rows,), -1, dtype=torch.long)  # -1: an empty row
+        by_row: list[RequestState | None] = [None] * rows
+        for item in items:
+            state = self._state(item.request_id, item.new_block_ids)
+            tokens[state.row, 0] = item.token_id
+            positions[state.row] = item.position
+            by_row[state.row] = state
+        out = self.model.decode_forward(
+            tokens, positions, page_table=self._page_table, kv_cache=self.kv_cache,
+            enable_trace=False, read_from_device=True, sampling_params=_sampling_batch(by_row))
+        out = self.model.process_decode_output_host(self.model.read_decode_output(out), is_tokens=True)
+        sampled = out.reshape(-1).tolist()
+        return {item.request_id: int(sampled[self._requests[item.request_id].row]) for item in items}
+
+
+def _sampling_batch(states: list[RequestState | None]) -> SamplingBatch:
+    """Per-row sampling parameters; rows without a state (padding, intermediate chunks) are greedy."""
+    return SamplingBatch(
+        temperature=[s.temperature if s else 0.0 for s in states],
+        top_k=[s.top_k if s else 0 for s in states],
+        top_p=[s.top_p if s else 1.0 for s in states],
+        generators=[s.generator if s else None for s in states])

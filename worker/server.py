@@ -1,0 +1,119 @@
+"""device.proto service: Describe, Warmup progress, and the ordered step stream."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import ttserve
+from ttserve.protocol import PROTOCOL_VERSION, ProtocolVersionInterceptor
+from ttserve.v1 import device_pb2, device_pb2_grpc
+
+from .runner import ModelRunner
+from .wire import batch_from_pb, config_from_pb, config_to_pb, result_to_pb
+
+log = logging.getLogger(__name__)
+
+
+class DeviceService(device_pb2_grpc.DeviceServicer):
+    def __init__(self, runner: ModelRunner, backend: str, device: str) -> None:
+        self.runner = runner
+        self.backend = backend
+        self.device = device
+        # One step stream at a time: device state and the KV cache belong to one control plane.
+        self._stream_lock = asyncio.Lock()
+        self._warmup_lock = asyncio.Lock()
+
+    def _describe(self) -> device_pb2.DeviceDescription:
+        r = self.runner
+        caps = r.capabilities
+        d = device_pb2.DeviceDescription(
+            protocol_version=PROTOCOL_VERSION, version=ttserve.__version__, backend=self.backend,
+            device=self.device, model_path=str(r.model_path), architecture=r.architecture,
+            vocab_size=r.vocab_size, max_position_embeddings=r.max_position_embeddings,
+            capabilities=device_pb2.ModelCapabilities(
+                supports_prefix_caching=caps.get("supports_prefix_caching", False),
+                supports_async_decode=caps.get("supports_async_decode", False),
+                supports_sample_on_device=caps.get("supports_sample_on_device", False),
+                supports_chunked_prefill=caps.get("supports_chunked_prefill", False)),
+            eos_token_ids=r.eos_token_ids, ready=r.config is not None)
+        if r.config is not None and r.layout is not None:
+            d.config.CopyFrom(config_to_pb(r.config))
+            d.num_blocks_per_lane = r.layout.num_blocks_per_lane
+            d.block_size = r.layout.block_size
+            d.decode_batch_size = r.config.max_num_seqs
+        return d
+
+    async def Describe(self, request: device_pb2.DescribeRequest,
+                       context: grpc.aio.ServicerContext) -> device_pb2.DeviceDescription:
+        return self._describe()
+
+    async def Warmup(self, request: device_pb2.WarmupRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[device_pb2.WarmupProgress]:
+        config = config_from_pb(request)
+        if config.max_num_seqs < 1 or config.max_model_len < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_num_seqs and max_model_len must be positive, got {config}")
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[device_pb2.WarmupProgress] = asyncio.Queue()
+
+        def progress(phase: str, completed: int, total: int, detail: str) -> None:
+            log.info("warmup %s %d/%d %s", phase, completed, total, detail)
+            loop.call_soon_threadsafe(updates.put_nowait, device_pb2.WarmupProgress(
+                phase=phase, completed=completed, total=total, detail=detail))
+
+        async with self._warmup_lock:
+            task = asyncio.create_task(asyncio.to_thread(self.runner.warmup, config, progress))
+            while not task.done() or not updates.empty():
+                getter = asyncio.create_task(updates.get())
+                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            try:
+                task.result()
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        yield device_pb2.WarmupProgress(phase="done", completed=1, total=1, done=True,
+                                        description=self._describe())
+
+    async def Step(self, batches: AsyncIterator[device_pb2.StepBatch],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[device_pb2.StepResult]:
+        if self._stream_lock.locked():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "this worker already serves a step stream (one control plane per worker)")
+        async with self._stream_lock:
+            self.runner.reset()
+            async for pb in batches:
+                received = time.perf_counter()
+                try:
+                    result = await asyncio.to_thread(self.runner.execute, batch_from_pb(pb))
+                except Exception as e:  # the stream ends; the control plane fails these requests
+                    log.exception("step %d failed", pb.step_id)
+                    yield device_pb2.StepResult(step_id=pb.step_id, error=f"{type(e).__name__}: {e}")
+                    return
+                result.total_s = time.perf_counter() - received
+                yield result_to_pb(result)
+
+
+async def serve(service: DeviceService, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server(interceptors=[ProtocolVersionInterceptor()], options=[
+        ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+    device_pb2_grpc.add_DeviceServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (device_pb2.DESCRIPTOR.services_by_name["Device"].full_name, reflection.SERVICE_NAME,
+             health.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    address = f"{host}:{port}"
+    server.add_insecure_port(address)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("worker listening on %s", address)
+    return server

@@ -1,0 +1,41 @@
+"""The one place the worker converts between protobuf and its domain objects."""
+from __future__ import annotations
+
+from ttserve.v1 import device_pb2
+
+from .batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
+
+_KIND = {device_pb2.STEP_KIND_EMPTY: "empty", device_pb2.STEP_KIND_PREFILL: "prefill",
+         device_pb2.STEP_KIND_DECODE: "decode"}
+
+
+def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
+    return StepBatch(
+        step_id=b.step_id, kind=_KIND[b.kind],
+        new_requests=[NewRequest(r.request_id, r.lane, r.row, r.sampling.temperature,
+                                 r.sampling.top_p or 1.0, r.sampling.top_k,
+                                 r.sampling.seed if r.sampling.HasField("seed") else None)
+                      for r in b.new_requests],
+        released_ids=list(b.released_request_ids),
+        prefill=[PrefillChunk(c.request_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample)
+                 for c in b.prefill],
+        decode=[DecodeItem(d.request_id, d.token_id, d.position, list(d.new_block_ids)) for d in b.decode])
+
+
+def result_to_pb(r: StepResult) -> device_pb2.StepResult:
+    return device_pb2.StepResult(
+        step_id=r.step_id,
+        tokens=[device_pb2.SampledToken(request_id=rid, token_id=t) for rid, t in r.tokens.items()],
+        timings=device_pb2.StepTimings(model_s=r.model_s, sample_s=r.sample_s, total_s=r.total_s,
+                                       traced=r.traced, sampled_on_device=r.sampled_on_device))
+
+
+def config_from_pb(w: device_pb2.WarmupRequest) -> ServingConfig:
+    return ServingConfig(num_lanes=w.num_lanes or 1, max_num_seqs=w.max_num_seqs,
+                         max_model_len=w.max_model_len, max_num_batched_tokens=w.max_num_batched_tokens)
+
+
+def config_to_pb(c: ServingConfig) -> device_pb2.WarmupRequest:
+    return device_pb2.WarmupRequest(num_lanes=c.num_lanes, max_num_seqs=c.max_num_seqs,
+                                    max_model_len=c.max_model_len,
+                                    max_num_batched_tokens=c.max_num_batched_tokens)
