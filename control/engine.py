@@ -155,20 +155,31 @@ class Engine:
     async def _step_loop(self, link: WorkerLink) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
-        while True:
-            if not scheduler.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            plan = scheduler.schedule()
-            if plan.kind is StepKind.EMPTY and not plan.released_ids:
-                # Work exists but none can run: only arrivals or aborts change that.
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            outcome = await link.step(plan, self.config.max_num_seqs)
-            self.num_steps += 1
-            self._publish(outcome.step_id, scheduler.update(plan, outcome.sampled))
+        ended = asyncio.ensure_future(link.ended())
+        try:
+            while True:
+                if not scheduler.has_work:
+                    await self._idle(ended)
+                    continue
+                plan = scheduler.schedule()
+                if plan.kind is StepKind.EMPTY and not plan.released_ids:
+                    # Work exists but none can run: only arrivals or aborts change that.
+                    await self._idle(ended)
+                    continue
+                outcome = await link.step(plan, self.config.max_num_seqs)
+                self.num_steps += 1
+                self._publish(outcome.step_id, scheduler.update(plan, outcome.sampled))
+        finally:
+            ended.cancel()
+
+    async def _idle(self, ended: asyncio.Future[str]) -> None:
+        """Wait for an arrival or abort; a worker lost meanwhile raises WorkerError."""
+        self._wake.clear()
+        woken = asyncio.ensure_future(self._wake.wait())
+        await asyncio.wait({woken, ended}, return_when=asyncio.FIRST_COMPLETED)
+        woken.cancel()
+        if ended.done():
+            raise WorkerError(ended.result())
 
     def _publish(self, step_id: int, changed: list[Request]) -> None:
         by_client: dict[int, list[engine_pb2.RequestOutput]] = {}

@@ -59,6 +59,13 @@ class WorkerLink:
         self._stream = self._stub.Step(metadata=CALL_METADATA)
         self._next_step_id = 1
 
+    async def ended(self) -> str:
+        """Resolves when the step stream ends on its own (the worker died or went away); lets an
+        idle control plane notice a lost worker before the next request needs it."""
+        assert self._stream is not None
+        code = await self._stream.code()
+        return f"worker at {self.address} went away ({code.name}: {await self._stream.details()})"
+
     async def step(self, plan: StepPlan, max_num_seqs: int) -> StepOutcome:
         assert self._stream is not None, "open() the step stream first"
         step_id = self._next_step_id

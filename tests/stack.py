@@ -1,0 +1,130 @@
+"""Real services on loopback ports for the end-to-end tests: processes, ports, readiness, logs."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from ttserve.protocol import CALL_METADATA
+from ttserve.v1 import engine_pb2, engine_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    args: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> "Service":
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", *self.args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Stack:
+    services: list[Service] = field(default_factory=list)
+    http_url: str = ""
+    control_address: str = ""
+    worker_address: str = ""
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {s.name} ---\n{s.output()[-4000:]}" for s in self.services)
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+
+
+def wait_until(check, timeout: float, what: str, stack: Stack | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stack is not None:
+            dead = [s for s in stack.services if not s.alive()]
+            if dead:
+                raise AssertionError(f"{dead[0].name} exited while waiting for {what}\n{stack.logs()}")
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n"
+                         + (stack.logs() if stack else ""))
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return r.status == 200
+
+
+def control_ready(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        info = engine_pb2_grpc.EngineStub(channel).GetServerInfo(
+            engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA, timeout=2)
+        return info.ready
+
+
+def start_worker(tmp: Path, model: str, port: int | None = None, *extra: str) -> Service:
+    port = port or free_port()
+    return Service("worker", ["ttserve.worker", "--port", str(port), "--model", model, *extra],
+                   tmp / f"worker-{port}.log").start()
+
+
+def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
+                worker_flags: tuple[str, ...] = (), gateway: bool = True) -> Stack:
+    """Worker, control plane and (optionally) gateway as separate processes."""
+    worker_port, control_port = free_port(), free_port()
+    stack = Stack(control_address=f"127.0.0.1:{control_port}",
+                  worker_address=f"127.0.0.1:{worker_port}")
+    stack.services.append(start_worker(tmp, model, worker_port, *worker_flags))
+    stack.services.append(Service("control", ["ttserve.control", "--port", str(control_port), "--worker",
+                                              stack.worker_address, *control_flags],
+                                  tmp / f"control-{control_port}.log").start())
+    try:
+        wait_until(lambda: control_ready(stack.control_address), 300, "the control plane to be ready", stack)
+        if gateway:
+            http_port = free_port()
+            stack.http_url = f"http://127.0.0.1:{http_port}"
+            stack.services.append(Service("gateway", ["ttserve.gateway", "--port", str(http_port), "--control",
+                                                      stack.control_address],
+                                          tmp / f"gateway-{http_port}.log").start())
+            wait_until(lambda: http_ok(f"{stack.http_url}/health"), 300, "the gateway", stack)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack

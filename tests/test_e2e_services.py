@@ -1,0 +1,231 @@
+"""Service behaviour through real processes: the control plane's gRPC API, protocol checks,
+start-up failures, a lost worker, and `ttserve up`."""
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+
+from stack import Service, free_port, start_stack, start_worker, wait_until, http_ok
+from ttserve.protocol import CALL_METADATA, METADATA_KEY, PROTOCOL_VERSION
+from ttserve.v1 import engine_pb2, engine_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory, smollm2):
+    s = start_stack(tmp_path_factory.mktemp("control"), str(smollm2), gateway=False,
+                    control_flags=("--max-num-seqs", "4"))
+    yield s
+    s.stop()
+
+
+class Session:
+    """A raw engine.proto session, as any gRPC client without a tokenizer would use it."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.outgoing: queue.Queue = queue.Queue()
+        self.incoming: queue.Queue = queue.Queue()
+        stream = engine_pb2_grpc.EngineStub(self.channel).Session(iter(self.outgoing.get, None),
+                                                                  metadata=CALL_METADATA)
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        try:
+            for message in stream:
+                self.incoming.put(message)
+        except grpc.RpcError:
+            pass  # closed by close()
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, **sampling) -> None:
+        self.outgoing.put(engine_pb2.ClientMessage(add=engine_pb2.AddRequest(
+            request_id=request_id, prompt_token_ids=prompt, eos_token_ids=[2],
+            sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, **sampling))))
+
+    def abort(self, *ids: str) -> None:
+        self.outgoing.put(engine_pb2.ClientMessage(abort=engine_pb2.AbortRequests(request_ids=ids)))
+
+    def next(self, timeout: float = 60) -> engine_pb2.ServerMessage:
+        return self.incoming.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.outgoing.put(None)
+        self.channel.close()
+
+
+def collect(session: Session, ids: set[str]) -> tuple[dict[str, list[int]], dict[str, int], list[int]]:
+    """Run until every id finished: tokens per id, finish reasons, and outputs-per-message."""
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    finished: dict[str, int] = {}
+    per_message = []
+    while len(finished) < len(ids):
+        message = session.next()
+        if message.HasField("admission"):
+            assert message.admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED, message
+            continue
+        per_message.append(len(message.outputs.outputs))
+        for out in message.outputs.outputs:
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason:
+                finished[out.request_id] = out.finish_reason
+    return tokens, finished, per_message
+
+
+def test_tokenless_grpc_client_gets_outputs_batched_per_step(control):
+    session = Session(control.control_address)
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    for i in range(3):
+        session.add(f"r{i}", prompt, 10, ignore_eos=True)
+    tokens, finished, per_message = collect(session, {"r0", "r1", "r2"})
+    session.close()
+    assert all(len(t) == 10 for t in tokens.values())
+    assert tokens["r0"] == tokens["r1"] == tokens["r2"]  # greedy, same prompt
+    assert set(finished.values()) == {engine_pb2.FINISH_REASON_LENGTH}
+    assert max(per_message) == 3  # one message per step carries every request's delta
+
+
+def test_admission_refuses_with_a_message(control):
+    session = Session(control.control_address)
+    session.add("long", [5] * 9000, 4)
+    session.add("zero", [5], 0)
+    session.add("vocab", [10**6], 4)
+    verdicts = {}
+    for _ in range(3):
+        a = session.next().admission
+        verdicts[a.request_id] = (a.verdict, a.message)
+    session.close()
+    assert all(v == engine_pb2.Admission.VERDICT_INVALID_ARGUMENT for v, _ in verdicts.values())
+    assert "maximum context length" in verdicts["long"][1]
+    assert "max_tokens" in verdicts["zero"][1]
+    assert "out of range" in verdicts["vocab"][1]
+
+
+def test_abort_stops_a_request_and_its_slot_is_reused(control):
+    session = Session(control.control_address)
+    session.add("a", [1, 2, 3], 5000, ignore_eos=True)
+    assert session.next().admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED
+    assert session.next().outputs.outputs[0].request_id == "a"
+    session.abort("a", "never-existed")
+    # Four rows: four fresh requests run at once only if the aborted one released its row.
+    for i in range(4):
+        session.add(f"b{i}", [1, 2, 3], 3, ignore_eos=True)
+    tokens, finished, _ = collect_ignoring(session, {f"b{i}" for i in range(4)}, ignore={"a"})
+    session.close()
+    assert all(len(t) == 3 for t in tokens.values())
+
+
+def collect_ignoring(session, ids, ignore):
+    tokens = {i: [] for i in ids}
+    finished = {}
+    while len(finished) < len(ids):
+        message = session.next()
+        if message.HasField("admission"):
+            continue
+        for out in message.outputs.outputs:
+            if out.request_id in ignore:
+                continue
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason:
+                finished[out.request_id] = out.finish_reason
+    return tokens, finished, None
+
+
+def test_protocol_mismatch_is_refused_naming_both_versions(control):
+    with grpc.insecure_channel(control.control_address) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            engine_pb2_grpc.EngineStub(channel).GetServerInfo(
+                engine_pb2.ServerInfoRequest(), metadata=((METADATA_KEY, "999"),), timeout=5)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "999" in e.value.details() and f"version {PROTOCOL_VERSION}" in e.value.details()
+
+
+def test_model_info_reports_limits(control):
+    with grpc.insecure_channel(control.control_address) as channel:
+        info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.ModelInfoRequest(),
+                                                                metadata=CALL_METADATA, timeout=5)
+    assert info.max_num_seqs == 4 and info.vocab_size == 49152 and info.architecture == "LlamaForCausalLM"
+    assert 0 < info.max_model_len <= 8192 and info.num_blocks * info.block_size >= info.max_model_len
+
+
+@pytest.mark.parametrize("module, args, words", [
+    ("ttserve.worker", ["--model", "/nonexistent/folder"], "/nonexistent/folder"),
+    ("ttserve.worker", ["--model", "smollm2", "--additional-config", '{"tt": {"trace_mode": "sometimes"}}'],
+     "decode_only"),
+    ("ttserve.worker", ["--model", "smollm2", "--additional-config", '{"tt": {"no_such_key": 1}}'],
+     "no_such_key"),
+    ("ttserve.control", ["--data-parallel-size", "2"], "--data-parallel-size"),
+    ("ttserve.control", ["--tensor-parallel-size", "2"], "MESH_DEVICE"),
+])
+def test_bad_startup_exits_nonzero_with_one_clear_line(module, args, words):
+    port = free_port()
+    done = subprocess.run([sys.executable, "-m", module, "--port", str(port), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and words in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_lost_worker_gives_503_then_recovers(tmp_path, smollm2):
+    stack = start_stack(tmp_path, str(smollm2))
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
+        worker = stack.services[0]
+        worker.stop(signal.SIGKILL)
+
+        def refused() -> bool:
+            try:
+                client.completions.create(model=model, prompt="Hi", max_tokens=2)
+            except openai.APIStatusError as e:
+                return e.status_code == 503 and "worker" in str(e.body)
+            return False
+
+        wait_until(refused, 30, "a 503 naming the lost worker")
+        port = int(stack.worker_address.rsplit(":", 1)[1])
+        stack.services[0] = start_worker(tmp_path, str(smollm2), port)
+        wait_until(lambda: client.completions.create(model=model, prompt="Hi", max_tokens=2).choices,
+                   120, "service to recover after the worker restarts", stack)
+    finally:
+        stack.stop()
+
+
+def test_ttserve_up_routes_flags_and_stops_cleanly_on_sigterm(tmp_path, smollm2):
+    ports = [free_port() for _ in range(3)]
+    log = open(tmp_path / "up.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
+                             "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
+                             "--model", str(smollm2), "--max-num-seqs", "3", "--block-size", "32"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{ports[0]}/health"), 300, "ttserve up")
+        with grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as channel:
+            info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.ModelInfoRequest(),
+                                                                    metadata=CALL_METADATA, timeout=5)
+        assert info.max_num_seqs == 3 and info.block_size == 32
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[0]}/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(model=smollm2.name, max_tokens=8,
+                                             messages=[{"role": "user", "content": "Hello!"}])
+        assert out.choices[0].message.content
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def test_up_refuses_a_flag_no_service_declares():
+    done = subprocess.run([sys.executable, "-m", "ttserve.cli", "up", "--no-such-flag", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--no-such-flag" in done.stderr
