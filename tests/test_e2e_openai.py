@@ -23,7 +23,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, smollm2) -> Stack:
-    s = start_stack(tmp_path_factory.mktemp("stack"), str(smollm2), control_flags=("--max-num-seqs", "8"))
+    # A small prefill budget chunks the chat-template prompts, so the oracle tests cover chunking.
+    s = start_stack(tmp_path_factory.mktemp("stack"), str(smollm2),
+                    control_flags=("--max-num-seqs", "8", "--max-num-batched-tokens", "16"))
     yield s
     s.stop()
 
@@ -77,6 +79,7 @@ def test_chat_greedy_matches_transformers_with_chat_template(client, model_name,
     tokenizer, model = hf
     messages = [{"role": "user", "content": "Write a haiku about silicon."}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(ids) > 16  # longer than the stack's prefill budget: served in chunks
     with torch.inference_mode():
         full = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0].tolist()
     expected = full[len(ids):]

@@ -179,12 +179,15 @@ class ModelRunner:
 
     def _prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
         states = [self._state(c.request_id, c.new_block_ids) for c in chunks]
-        # The torch backend pads to the longest chunk of the batch, not to a traced bucket:
-        # on a CPU, padding is pure extra arithmetic.
-        width = max(len(c.token_ids) for c in chunks)
+        # tt-metal's layout: row i holds the sequence from position 0 and the model computes
+        # tokens[i, start_pos:prompt_len]; positions before start_pos are cached and never read.
+        # The torch backend pads to the longest row of the batch, not to a traced bucket: on a
+        # CPU, padding is pure extra arithmetic.
+        width = max(c.start_pos + len(c.token_ids) for c in chunks)
         tokens = torch.zeros(len(chunks), width, dtype=torch.long)
         for i, chunk in enumerate(chunks):
-            tokens[i, :len(chunk.token_ids)] = torch.tensor(chunk.token_ids, dtype=torch.long)
+            tokens[i, chunk.start_pos:chunk.start_pos + len(chunk.token_ids)] = torch.tensor(
+                chunk.token_ids, dtype=torch.long)
         rows = [s.row for s in states]
         # An intermediate chunk samples nothing: greedy and without its generator, so a seeded
         # request draws the same random numbers however its prompt was chunked.

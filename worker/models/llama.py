@@ -1,0 +1,534 @@
+"""Torch reference implementation of the Llama family behind tt-metal's generator contract.
+
+One class covers LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (per-head
+q/k RMSNorm) and MistralForCausalLM (sliding window): GQA, RoPE (default, linear, llama3),
+RMSNorm, SiLU MLP, optionally tied embeddings. Weights come straight from the checkpoint's
+safetensors; transformers is not needed at run time.
+
+The contract is the one tt-metal's models expose to serving systems
+(models/tt_transformers/tt/generator_vllm.py and generator.py), with a paged KV cache:
+
+* Lanes. `tt_data_parallel` lanes each own a KV cache with lane-local block ids. Batch row r
+  belongs to lane r // max_batch_size (`max_batch_size` is rows per lane).
+* KV cache. kv_cache[lane][layer] = [K, V], each [num_blocks, num_kv_heads, block_size,
+  head_dim]. Position p of a row lives in block page_table[row, p // block_size] at offset
+  p % block_size.
+* Prefill. As in tt-metal, row i of `tokens` holds the request's tokens from position 0;
+  `start_pos[i]` tokens already have KV in the cache (prefix cache or earlier chunks) and the
+  chunk computed now is tokens[i, start_pos[i]:prompt_lens[i]]. `empty_slots[i]` is the batch
+  row of prefill user i, which selects its lane.
+* Decode. One token per row at position start_pos[r]; start_pos -1 marks an empty row, which
+  writes no KV and whose output is garbage.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from ttserve.worker.sampling import SamplingBatch, sample
+
+KVCache = list[list[list[torch.Tensor]]]  # [lane][layer] -> [K, V]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder or its config cannot be served by the reference model."""
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    """What the forward pass needs from config.json, normalised across config versions."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool | None  # None: config is silent, decided by the checkpoint
+    sliding_window: int | None
+    sliding_layers: tuple[bool, ...]  # per layer: does the sliding window apply
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LlamaShape:
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"hidden_act={act!r} is not supported (only silu)")
+        heads = config["num_attention_heads"]
+        layers = config["num_hidden_layers"]
+        # transformers 5 moved rope_theta/rope_scaling into rope_parameters; older configs keep
+        # them at the top level.
+        rope = dict(config.get("rope_parameters") or {})
+        scaling = config.get("rope_scaling") or rope
+        rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise CheckpointError(f"rope type {rope_type!r} is not supported "
+                                  "(supported: default, linear, llama3)")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=config.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            rope_scaling=None if rope_type == "default" else {**scaling, "rope_type": rope_type},
+            tie_word_embeddings=config.get("tie_word_embeddings"),
+            **_sliding_window(config, layers),
+        )
+
+
+def _sliding_window(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    window = config.get("sliding_window")
+    # Qwen2/3 carry a sliding_window value but apply it only with use_sliding_window.
+    if window is None or config.get("use_sliding_window") is False:
+        return {"sliding_window": None, "sliding_layers": (False,) * layers}
+    if config.get("layer_types"):
+        per_layer = tuple(t == "sliding_attention" for t in config["layer_types"])
+    elif "max_window_layers" in config:
+        per_layer = tuple(i >= config["max_window_layers"] for i in range(layers))
+    else:
+        per_layer = (True,) * layers
+    return {"sliding_window": int(window), "sliding_layers": per_layer}
+
+
+def _rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
+    dim = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = shape.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, scaled)
+
+
+# --- weights ---------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    wqkv: torch.Tensor              # q, k, v projections stacked: one matmul per layer
+    bqkv: torch.Tensor | None
+    q_norm: torch.Tensor | None     # Qwen3: RMSNorm over head_dim, before RoPE
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    post_norm: torch.Tensor
+    w_gate_up: torch.Tensor         # gate and up stacked
+    w_down: torch.Tensor
+
+
+def _load_state_dict(model_path: Path) -> dict[str, torch.Tensor]:
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{model_path} has no model.safetensors or "
+                              "model.safetensors.index.json; only safetensors checkpoints load")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(str(model_path / shard)))
+    return state
+
+
+# --- the model -------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Step:
+    """Index plan of one forward call, shared by every layer."""
+
+    tokens: torch.Tensor        # [B, S] token ids computed now
+    positions: torch.Tensor     # [B, S] absolute positions (clamped into the RoPE table)
+    last: torch.Tensor          # [B] index in S of each row's last real token
+    # sliding? -> [B, 1, group*S, T]: keys each query may attend, repeated for the `group` query
+    # heads that share a KV head (the GQA layout of _attention).
+    masks: dict[bool, torch.Tensor]
+    lanes: list[tuple[int, torch.Tensor | None]]  # (lane, rows of the batch; None = all)
+    block_table: torch.Tensor   # [B, T // block_size] block ids, 0 where the row needs none
+    writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # lane -> (flat, blk, off)
+
+
+class TorchLlamaForCausalLM:
+    """Llama-family decoder in plain torch, driven through the tt-metal generator contract."""
+
+    model_capabilities = {
+        "supports_prefix_caching": True,
+        "supports_async_decode": False,
+        "supports_sample_on_device": True,
+        "supports_chunked_prefill": True,
+    }
+    # Checkpoint tensors an architecture cannot do without, beyond the Llama set.
+    required_extras: tuple[str, ...] = ()
+
+    def __init__(self, shape: LlamaShape, state: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int) -> None:
+        self.shape = shape
+        self.device = device
+        self.dtype = dtype
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.lanes = lanes
+        self._load(state)
+        inv_freq = _rope_inv_freq(shape)
+        freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self._cos = emb.cos().to(device, dtype)
+        self._sin = emb.sin().to(device, dtype)
+
+    @classmethod
+    def initialize_vllm_model(cls, hf_config: Any, mesh_device: torch.device, max_batch_size: int,
+                              max_seq_len: int, tt_data_parallel: int = 1, *, model_path: str,
+                              dtype: torch.dtype = torch.float32) -> TorchLlamaForCausalLM:
+        """Loads the checkpoint at `model_path`; `hf_config` is its parsed config.json."""
+        config = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        if max_batch_size < 1 or tt_data_parallel < 1 or max_seq_len < 1:
+            raise ValueError(f"max_batch_size={max_batch_size}, tt_data_parallel="
+                             f"{tt_data_parallel} and max_seq_len={max_seq_len} must be positive")
+        shape = LlamaShape.from_config(config)
+        state = _load_state_dict(Path(model_path))
+        return cls(shape, state, torch.device(mesh_device), dtype, max_batch_size, max_seq_len,
+                   tt_data_parallel)
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [name for i in range(self.shape.num_layers) for name in
+                   (f"model.layers.{i}.self_attn.{extra}" for extra in self.required_extras)
+                   if name not in state]
+        if missing:
+            raise CheckpointError(f"{type(self).__name__} checkpoint lacks {missing[:4]}"
+                                  f"{' ...' if len(missing) > 4 else ''}")
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise CheckpointError(f"checkpoint has no tensor {name!r}")
+            return state[name].to(self.device, self.dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in state else None
+
+        self.embed = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        tie = self.shape.tie_word_embeddings
+        if tie or (tie is None and "lm_head.weight" not in state):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight")
+        self.layers = []
+        for i in range(self.shape.num_layers):
+            p = f"model.layers.{i}"
+            biases = [maybe(f"{p}.self_attn.{n}_proj.bias") for n in "qkv"]
+            self.layers.append(_Layer(
+                input_norm=take(f"{p}.input_layernorm.weight"),
+                wqkv=torch.cat([take(f"{p}.self_attn.{n}_proj.weight") for n in "qkv"]),
+                bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
+                q_norm=maybe(f"{p}.self_attn.q_norm.weight"),
+                k_norm=maybe(f"{p}.self_attn.k_norm.weight"),
+                wo=take(f"{p}.self_attn.o_proj.weight"),
+                bo=maybe(f"{p}.self_attn.o_proj.bias"),
+                post_norm=take(f"{p}.post_attention_layernorm.weight"),
+                w_gate_up=torch.cat([take(f"{p}.mlp.gate_proj.weight"),
+                                     take(f"{p}.mlp.up_proj.weight")]),
+                w_down=take(f"{p}.mlp.down_proj.weight"),
+            ))
+
+    # --- contract: cache ---------------------------------------------------------------------
+
+    def allocate_kv_cache(self, kv_cache_shape: tuple[int, ...], dtype: torch.dtype,
+                          num_layers: int) -> KVCache:
+        """One cache per lane: [lane][layer] -> [K, V], each of shape kv_cache_shape."""
+        blocks, kv_heads, block_size, head_dim = kv_cache_shape
+        if (kv_heads, head_dim) != (self.shape.num_kv_heads, self.shape.head_dim):
+            raise ValueError(f"kv_cache_shape {tuple(kv_cache_shape)} does not fit the model: "
+                             f"num_kv_heads={self.shape.num_kv_heads}, head_dim={self.shape.head_dim}")
+        if num_layers != self.shape.num_layers:
+            raise ValueError(f"num_layers={num_layers}, the model has {self.shape.num_layers}")
+        return [[[torch.zeros(kv_cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
+                 for _ in range(num_layers)] for _ in range(self.lanes)]
+
+    # --- contract: forward passes ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill_forward(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache,
+                        prompt_lens: Sequence[int] | torch.Tensor,
+                        start_pos: Sequence[int] | torch.Tensor | None = None,
+                        enable_trace: bool = False, sampling_params: SamplingBatch | None = None,
+                        empty_slots: Sequence[int] | None = None, **_: Any) -> torch.Tensor:
+        """Computes tokens[i, start_pos[i]:prompt_lens[i]] of each prefill user i.
+
+        Writes the chunk's K/V into the paged cache and attends over [0, prompt_lens[i]).
+        Returns logits of each row's last token [B, 1, vocab] float32, or, with sampling_params,
+        the sampled tokens [B] int64. Further keyword arguments of tt-metal's generator
+        (model_id_warmup, warmup_prefill, ...) carry nothing here and are accepted and ignored.
+        """
+        del enable_trace  # eager torch: every shape runs as it comes
+        batch = tokens.shape[0]
+        end = _long(prompt_lens, batch)
+        start = torch.zeros(batch, dtype=torch.long) if start_pos is None else _long(start_pos, batch)
+        slots = list(range(batch)) if empty_slots is None else [int(s) for s in empty_slots]
+        if len(slots) != batch:
+            raise ValueError(f"empty_slots has {len(slots)} rows, tokens has {batch}")
+        if bool((start < 0).any()) or bool((end < start).any()):
+            raise ValueError(f"need 0 <= start_pos <= prompt_lens, got {start.tolist()} and "
+                             f"{end.tolist()}")
+        if int(end.max()) > tokens.shape[1]:
+            raise ValueError(
+                f"prompt_lens reach {int(end.max())} but tokens has {tokens.shape[1]} columns: "
+                "row i must hold the request's tokens from position 0 (the chunk is "
+                "tokens[i, start_pos[i]:prompt_lens[i]])")
+        chunk = max(int((end - start).max()), 1)
+        cols = (start[:, None] + torch.arange(chunk)).clamp(max=tokens.shape[1] - 1)
+        step = self._plan(tokens.cpu().long().gather(1, cols), start, end, page_table,
+                          [s // self.max_batch_size for s in slots], kv_cache)
+        logits = self._forward(step, kv_cache)
+        if sampling_params is not None:
+            return sample(logits, sampling_params)
+        return logits.unsqueeze(1)
+
+    @torch.inference_mode()
+    def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor,
+                       page_table: torch.Tensor, kv_cache: KVCache, enable_trace: bool = False,
+                       read_from_device: bool = True, sampling_params: SamplingBatch | None = None,
+                       **_: Any) -> torch.Tensor:
+        """One token per row at position start_pos[r] (-1: empty row, no KV written).
+
+        Row r uses kv_cache[r // max_batch_size]. Returns logits [R, 1, vocab] float32 or, with
+        sampling_params, tokens [R] int64; on the model's device unless read_from_device.
+        tt-metal's extra keywords (reset_batch, prompt_tokens, ...) are accepted and ignored.
+        """
+        del enable_trace
+        rows = tokens.shape[0]
+        if rows > self.lanes * self.max_batch_size:
+            raise ValueError(f"decode batch has {rows} rows; the model has {self.lanes} lanes of "
+                             f"{self.max_batch_size}")
+        pos = _long(start_pos, rows)
+        active = pos >= 0
+        start = pos.clamp(min=0)
+        end = torch.where(active, pos + 1, 0)
+        step = self._plan(tokens.cpu().long().reshape(rows, 1), start, end, page_table,
+                          [r // self.max_batch_size for r in range(rows)], kv_cache)
+        logits = self._forward(step, kv_cache)
+        out = sample(logits, sampling_params) if sampling_params is not None else logits.unsqueeze(1)
+        return self.read_decode_output(out) if read_from_device else out
+
+    def read_decode_output(self, out: torch.Tensor, async_read: bool = False
+                           ) -> torch.Tensor | tuple[torch.Tensor, list]:
+        """Brings a decode result to the host; torch has no read events, hence the empty list."""
+        host = out.to("cpu", non_blocking=async_read)
+        return (host, []) if async_read else host
+
+    def process_decode_output_host(self, out: torch.Tensor, is_tokens: bool = False) -> torch.Tensor:
+        return out.reshape(-1) if is_tokens else out
+
+    def warmup_model_prefill(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to compile or capture: eager torch runs each shape as it comes."""
+
+    def warmup_model_decode(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to compile or capture: eager torch runs each shape as it comes."""
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _plan(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Step:
+        """Builds the index plan: rows [B] compute chunk_tokens [B, S] at positions start..end."""
+        batch, width = chunk_tokens.shape
+        cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
+        if batch and int(end.max()) > self.max_seq_len:
+            raise ValueError(f"position {int(end.max()) - 1} is beyond max_seq_len={self.max_seq_len}")
+        if max(lane_of_row, default=0) >= self.lanes:
+            raise ValueError(f"a row maps to lane {max(lane_of_row)}; the model has {self.lanes}")
+        offsets = torch.arange(width)
+        positions = start[:, None] + offsets
+        valid = positions < end[:, None]  # real tokens: they write KV and are real queries
+
+        table = _block_table(page_table, end, block_size, cache_blocks)
+        num_blocks = table.shape[1]
+
+        # Invalid queries (padding, empty rows) attend to key 0 alone: their output is unused
+        # and this keeps softmax away from an all-masked row (NaN).
+        q_pos = torch.where(valid, positions, 0)
+        keys = torch.arange(num_blocks * block_size)
+        causal = keys[None, None, :] <= q_pos[:, :, None]
+        masks = {False: causal}
+        if self.shape.sliding_window is not None:
+            window = keys[None, None, :] > q_pos[:, :, None] - self.shape.sliding_window
+            masks[True] = causal & window
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        masks = {k: m[:, None].expand(batch, group, width, m.shape[-1])
+                 .reshape(batch, 1, group * width, m.shape[-1]) for k, m in masks.items()}
+
+        flat = torch.arange(batch * width).reshape(batch, width)
+        blk = table.gather(1, (positions.clamp(max=num_blocks * block_size - 1) // block_size))
+        off = positions % block_size
+        lanes: list[tuple[int, torch.Tensor | None]] = []
+        writes = {}
+        lane_rows = torch.tensor(lane_of_row, dtype=torch.long)
+        for lane in sorted(set(lane_of_row)):
+            rows = (lane_rows == lane).nonzero().flatten()
+            lanes.append((lane, None if len(rows) == batch else rows.to(self.device)))
+            mine = valid & (lane_rows == lane)[:, None]
+            writes[lane] = tuple(t[mine].to(self.device) for t in (flat, blk, off))
+        dev = self.device
+        return _Step(
+            tokens=chunk_tokens.to(dev),
+            positions=positions.clamp(max=self.max_seq_len - 1).to(dev),
+            last=(end - start - 1).clamp(min=0).to(dev),
+            masks={k: v.to(dev) for k, v in masks.items()},
+            lanes=lanes,
+            block_table=table.to(dev),
+            writes=writes,
+        )
+
+    def _forward(self, step: _Step, kv_cache: KVCache) -> torch.Tensor:
+        """Runs every layer; returns float32 logits [B, vocab] of each row's last real token."""
+        x = F.embedding(step.tokens, self.embed)
+        cos = self._cos[step.positions].unsqueeze(2)  # [B, S, 1, head_dim]
+        sin = self._sin[step.positions].unsqueeze(2)
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm, self.shape.rms_norm_eps)
+            x = x + self._attention(layer, h, cos, sin, step, kv_cache, i)
+            h = _rms_norm(x, layer.post_norm, self.shape.rms_norm_eps)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        last = x[torch.arange(x.shape[0], device=x.device), step.last]
+        return F.linear(_rms_norm(last, self.final_norm, self.shape.rms_norm_eps),
+                        self.lm_head).float()
+
+    def _attention(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   step: _Step, kv_cache: KVCache, index: int) -> torch.Tensor:
+        s = self.shape
+        batch, width, _ = h.shape
+        qkv = F.linear(h, layer.wqkv, layer.bqkv)
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                             s.num_kv_heads * s.head_dim], dim=-1)
+        q = q.view(batch, width, s.num_heads, s.head_dim)
+        k = k.view(batch, width, s.num_kv_heads, s.head_dim)
+        v = v.view(batch, width, s.num_kv_heads, s.head_dim)
+        if layer.q_norm is not None:
+            q = _rms_norm(q, layer.q_norm, s.rms_norm_eps)
+        if layer.k_norm is not None:
+            k = _rms_norm(k, layer.k_norm, s.rms_norm_eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+
+        mask = step.masks[s.sliding_layers[index]]
+        group = s.num_heads // s.num_kv_heads
+        # GQA without copying K/V: the `group` query heads of one KV head become extra query rows.
+        q = q.view(batch, width, s.num_kv_heads, group, s.head_dim).permute(0, 2, 3, 1, 4)
+        out = torch.empty_like(q)
+        k_flat = k.reshape(batch * width, s.num_kv_heads, s.head_dim)
+        v_flat = v.reshape(batch * width, s.num_kv_heads, s.head_dim)
+        for lane, rows in step.lanes:
+            cache_k, cache_v = kv_cache[lane][index]
+            flat, blk, off = step.writes[lane]
+            # Write first, then read: the chunk attends to its own keys through the cache.
+            cache_k[blk, :, off] = k_flat[flat].to(cache_k.dtype)
+            cache_v[blk, :, off] = v_flat[flat].to(cache_v.dtype)
+            table = step.block_table if rows is None else step.block_table[rows]
+            keys = _gather_blocks(cache_k, table, self.dtype)
+            values = _gather_blocks(cache_v, table, self.dtype)
+            q_l = q if rows is None else q[rows]
+            m = mask if rows is None else mask[rows]
+            n = q_l.shape[0]
+            o = F.scaled_dot_product_attention(
+                q_l.reshape(n, s.num_kv_heads, group * width, s.head_dim), keys, values,
+                attn_mask=m)
+            o = o.view(n, s.num_kv_heads, group, width, s.head_dim)
+            if rows is None:
+                out = o
+            else:
+                out[rows] = o
+        out = out.permute(0, 3, 1, 2, 4).reshape(batch, width, s.num_heads * s.head_dim)
+        return F.linear(out, layer.wo, layer.bo)
+
+
+def _block_table(page_table: torch.Tensor, end: torch.Tensor, block_size: int,
+                 cache_blocks: int) -> torch.Tensor:
+    """The [B, nb] block ids covering each row's [0, end); nb fits the longest row.
+
+    Entries past a row's own blocks may be padding (-1, 0, anything): they become block 0,
+    which the attention mask hides.
+    """
+    batch = end.shape[0]
+    pt = page_table.cpu().long()[:batch]
+    needed = (end + block_size - 1) // block_size
+    num_blocks = max(int(needed.max()) if batch else 0, 1)
+    if num_blocks > pt.shape[1]:
+        raise ValueError(f"page_table has {pt.shape[1]} blocks per row; position "
+                         f"{int(end.max()) - 1} needs {num_blocks}")
+    table = pt[:, :num_blocks]
+    in_use = torch.arange(num_blocks)[None, :] < needed[:, None]
+    used = table[in_use]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache_blocks):
+        raise ValueError(f"page_table holds block ids outside [0, {cache_blocks}) inside a row's "
+                         "sequence")
+    return torch.where(in_use, table, 0)
+
+
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[blocks, kv_heads, block_size, head_dim] by table [n, nb] -> [n, kv_heads, nb*bs, head_dim]."""
+    n, nb = table.shape
+    _, heads, block_size, head_dim = cache.shape
+    got = cache[table]  # [n, nb, heads, bs, hd]
+    return got.permute(0, 2, 1, 3, 4).reshape(n, heads, nb * block_size, head_dim).to(dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' LlamaRMSNorm: statistics in float32.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _long(values: Sequence[int] | torch.Tensor, rows: int) -> torch.Tensor:
+    t = values.detach().cpu().long().reshape(-1) if isinstance(values, torch.Tensor) \
+        else torch.tensor([int(v) for v in values], dtype=torch.long)
+    if t.numel() < rows:
+        raise ValueError(f"expected {rows} values, got {t.numel()}")
+    return t[:rows]
+
+
+class TorchQwen2ForCausalLM(TorchLlamaForCausalLM):
+    """Qwen2: Llama with q/k/v projection biases."""
+
+    required_extras = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
+
+
+class TorchQwen3ForCausalLM(TorchLlamaForCausalLM):
+    """Qwen3: Llama with per-head RMSNorm on q and k before RoPE."""
+
+    required_extras = ("q_norm.weight", "k_norm.weight")
+
+
+class TorchMistralForCausalLM(TorchLlamaForCausalLM):
+    """Mistral: Llama with an optional sliding attention window (from config)."""
