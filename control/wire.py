@@ -31,7 +31,10 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
         ("repetition_penalty", s.repetition_penalty not in (0.0, 1.0)),
         ("logprobs", s.HasField("logprobs")), ("prompt_logprobs", s.HasField("prompt_logprobs")),
         ("logit_bias", bool(s.logit_bias)), ("allowed_token_ids", bool(s.allowed_token_ids)),
-        ("bad_words", bool(s.bad_words))) if is_set]
+        ("bad_words", bool(s.bad_words)),
+        # vLLM masks EOS and stop ids until min_tokens; without that mask the model would emit
+        # them as text, so the option is refused until the host sampler applies it.
+        ("min_tokens", s.min_tokens > 0)) if is_set]
     request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
                       sampling=sampling, client_id=client_id,
                       arrival_time=add.arrival_time or time.time(), cache_salt=add.cache_salt)

@@ -149,6 +149,7 @@ def test_stop_string_trims_output(client, model_name):
     (dict(prompt="hello " * 9000), 400, "context length"),
     (dict(model="no-such-model"), 404, "no-such-model"),
     (dict(presence_penalty=0.5), 400, "presence_penalty"),
+    (dict(extra_body={"min_tokens": 3}), 400, "min_tokens"),
 ])
 def test_bad_requests_get_openai_errors(client, model_name, kw, status, words):
     args = dict(model=model_name, prompt="hi", max_tokens=4) | kw

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .logs import setup_logging
@@ -29,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         return up(rest)
     if command == "model":
         return _model(rest)
+    if command == "gateway":
+        from ttserve.gateway.__main__ import main as gateway_main
+        import os
+        status = gateway_main(rest)
+        logging.shutdown()
+        os._exit(status)  # skip teardown noise from vLLM's imports (see gateway/__main__.py)
     services = {"gateway": "ttserve.gateway.config", "control": "ttserve.control.config",
                 "worker": "ttserve.worker.config"}
     if command not in services:

@@ -56,11 +56,26 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
         own.error(f"unrecognized flag(s) {' '.join(orphans)}: no service (gateway, control, worker) "
                   "declares them; see `ttserve gateway|control|worker --help`")
     shares = {name: [t for t, keep in zip(rest, mask) if keep] for name, mask in masks.items()}
+    # The worker resolves --model (an embedded name or a folder); the gateway on the same host
+    # reads the folder the control plane reports, so a name like `smollm2` never reaches it.
+    shares["gateway"] = _without_flag(shares["gateway"], "--model")
     host = _host(shares["gateway"])
     shares["worker"] += ["--port", str(args.worker_port)]
     shares["control"] += ["--port", str(args.control_port), "--worker", f"{host}:{args.worker_port}"]
     shares["gateway"] += ["--port", str(args.port), "--control", f"{host}:{args.control_port}"]
     return args, shares
+
+
+def _without_flag(tokens: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for token in tokens:
+        if skip:
+            skip = False
+        elif token == flag:
+            skip = True
+        elif not token.startswith(flag + "="):
+            out.append(token)
+    return out
 
 
 def _host(tokens: list[str]) -> str:

@@ -1,0 +1,78 @@
+"""Gateway command line: `python -m ttserve.gateway --control HOST:PORT ...`.
+
+Flag names follow `vllm serve`'s. Importing this module is cheap (no vLLM); `run` imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+DEFAULT_CONTROL = "127.0.0.1:50051"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
+    parser.add_argument("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT",
+                        help="the control plane's gRPC address (default %(default)s)")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="local model folder for config.json and tokenizer files; no weights "
+                             "are read (default: the control plane's model_path, which must then "
+                             "exist on this host)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) in the API (default: the model folder's basename)")
+    parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                        help="require one of these keys as 'Authorization: Bearer KEY' "
+                             "(also read from VLLM_API_KEY)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="how long to wait for the control plane to report ready "
+                             "(default %(default).0f)")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="how long to try reaching the control plane at start-up "
+                             "(default %(default).0f)")
+    parser.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                        default=True, help="report usage.prompt_tokens_details.cached_tokens "
+                                           "(default on)")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="tokenizer folder, if not the model folder")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow custom code in the model folder (config/tokenizer)")
+    parser.add_argument("--chat-template", default=None, help="chat template file or string")
+    parser.add_argument("--tool-call-parser", default=None, help="vLLM tool call parser name")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model choose tool calls (needs --tool-call-parser)")
+    parser.add_argument("--reasoning-parser", default=None, help="vLLM reasoning parser name")
+    parser.add_argument("--enable-log-requests", action="store_true", help="log every request")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic throughput log lines")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no log line per HTTP request")
+    parser.add_argument("--vllm-args", default="", metavar="'FLAGS'",
+                        help="further `vllm serve` frontend flags, as one quoted string, e.g. "
+                             "--vllm-args='--chat-template-content-format openai'")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the gateway and serve until SIGINT/SIGTERM; returns the exit status."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger("ttserve").level == logging.NOTSET:
+        logging.getLogger("ttserve").setLevel(logging.INFO)
+    from ttserve.gateway.server import StartupError, serve
+
+    try:
+        import uvloop  # vLLM's own event loop; grpc.aio runs on it too
+        run_loop = uvloop.run
+    except ImportError:
+        run_loop = asyncio.run
+    try:
+        return run_loop(serve(args))
+    except StartupError as e:
+        print(f"ttserve gateway: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0

