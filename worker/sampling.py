@@ -42,6 +42,12 @@ class SamplingBatch:
     def __len__(self) -> int:
         return len(self.temperature)
 
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """The batch of the given rows, in that order."""
+        pick = lambda values: [values[r] for r in rows]  # noqa: E731
+        return SamplingBatch([float(t) for t in pick(self.temperature)], [int(k) for k in pick(self.top_k)],
+                             [float(p) for p in pick(self.top_p)], pick(self.generators))
+
     @classmethod
     def greedy(cls, rows: int) -> SamplingBatch:
         return cls([0.0] * rows, [0] * rows, [1.0] * rows)

@@ -327,13 +327,20 @@ class TorchLlamaForCausalLM:
             raise ValueError(f"decode batch has {rows} rows; the model has {self.lanes} lanes of "
                              f"{self.max_batch_size}")
         pos = _long(start_pos, rows)
-        active = pos >= 0
-        start = pos.clamp(min=0)
-        end = torch.where(active, pos + 1, 0)
-        step = self._plan(tokens.cpu().long().reshape(rows, 1), start, end, page_table,
-                          [r // self.max_batch_size for r in range(rows)], kv_cache)
+        # Only active rows are computed: a device replays the padded shape anyway, but on a CPU
+        # every empty row would be a full forward pass of wasted arithmetic.
+        live = (pos >= 0).nonzero().flatten()
+        start = pos[live]
+        step = self._plan(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
+                          page_table.cpu()[live], [int(r) // self.max_batch_size for r in live], kv_cache)
         logits = self._forward(step, kv_cache)
-        out = sample(logits, sampling_params) if sampling_params is not None else logits.unsqueeze(1)
+        live_dev = live.to(logits.device)
+        if sampling_params is not None:
+            out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+            out[live_dev] = sample(logits, sampling_params.select(live.tolist()))
+        else:
+            out = torch.zeros(rows, 1, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            out[live_dev, 0] = logits
         return self.read_decode_output(out) if read_from_device else out
 
     def read_decode_output(self, out: torch.Tensor, async_read: bool = False
