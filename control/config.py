@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 
 from .engine import Engine, EngineConfig
 
@@ -66,21 +65,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: EngineConfig, host: str, port: int) -> int:
+    from ttserve.grpc_service import ListenError, wait_for_stop
+
     from .server import serve
 
     engine = Engine(config)
     try:
         server = await serve(engine, host, port)
-    except (OSError, RuntimeError) as e:
-        log.error("cannot listen on %s:%d: %s", host, port, e)
+    except ListenError as e:
+        log.error("%s", e)
         return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     runner = asyncio.create_task(engine.run())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({engine.fatal, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    await wait_for_stop(engine.fatal)
     runner.cancel()
     await server.stop(grace=2.0)
     if engine.fatal.done():

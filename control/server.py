@@ -6,11 +6,10 @@ import logging
 from typing import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 import ttserve
-from ttserve.protocol import PROTOCOL_VERSION, ProtocolVersionInterceptor
+from ttserve.grpc_service import start_server
+from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 from .engine import Engine
@@ -70,17 +69,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
 
 async def serve(engine: Engine, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(interceptors=[ProtocolVersionInterceptor()])
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineService(engine), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name, reflection.SERVICE_NAME,
-             health.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("control plane listening on %s", address)
-    return server
+    def register(server: grpc.aio.Server) -> None:
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineService(engine), server)
+
+    return await start_server(host, port, register,
+                              [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name],
+                              "control plane")

@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from ttserve.grpc_service import MESSAGE_LIMITS
 from ttserve.protocol import CALL_METADATA, check_peer_version
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
@@ -22,8 +23,7 @@ class WorkerError(RuntimeError):
 class WorkerLink:
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        self._channel = grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS)
         self._stub = device_pb2_grpc.DeviceStub(self._channel)
         self._stream: grpc.aio.StreamStreamCall | None = None
         self._next_step_id = 1

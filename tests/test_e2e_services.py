@@ -7,13 +7,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import openai
 import pytest
 
-from stack import Service, free_port, start_stack, start_worker, wait_until, http_ok
+from stack import free_port, start_stack, start_worker, wait_until, http_ok
 from ttserve.protocol import CALL_METADATA, METADATA_KEY, PROTOCOL_VERSION
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 

@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import importlib.util
 import logging
-import signal
 
 log = logging.getLogger("ttserve.worker")
 
@@ -84,17 +83,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(service, host: str, port: int) -> int:
+    from ttserve.grpc_service import ListenError, wait_for_stop
+
     from .server import serve
 
     try:
         server = await serve(service, host, port)
-    except RuntimeError as e:
-        log.error("cannot listen on %s:%d: %s", host, port, e)
+    except ListenError as e:
+        log.error("%s", e)
         return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop()
     await server.stop(grace=2.0)
     return 0

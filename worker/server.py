@@ -7,11 +7,10 @@ import time
 from typing import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 import ttserve
-from ttserve.protocol import PROTOCOL_VERSION, ProtocolVersionInterceptor
+from ttserve.grpc_service import start_server
+from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
 from .runner import ModelRunner
@@ -103,17 +102,8 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
 
 
 async def serve(service: DeviceService, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(interceptors=[ProtocolVersionInterceptor()], options=[
-        ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
-    device_pb2_grpc.add_DeviceServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (device_pb2.DESCRIPTOR.services_by_name["Device"].full_name, reflection.SERVICE_NAME,
-             health.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    address = f"{host}:{port}"
-    server.add_insecure_port(address)
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("worker listening on %s", address)
-    return server
+    def register(server: grpc.aio.Server) -> None:
+        device_pb2_grpc.add_DeviceServicer_to_server(service, server)
+
+    return await start_server(host, port, register,
+                              [device_pb2.DESCRIPTOR.services_by_name["Device"].full_name], "worker")

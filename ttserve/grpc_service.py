@@ -1,0 +1,56 @@
+"""How every ttserve gRPC service listens: protocol check, health, reflection, message limits,
+and a stop on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .protocol import ProtocolVersionInterceptor
+
+log = logging.getLogger(__name__)
+
+MESSAGE_LIMITS = [("grpc.max_receive_message_length", 64 << 20),
+                  ("grpc.max_send_message_length", 64 << 20)]
+
+
+class ListenError(OSError):
+    """The address cannot be bound (in use, not local)."""
+
+
+async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
+                       service_names: Sequence[str], what: str) -> grpc.aio.Server:
+    """A started server with `register`'s servicers plus gRPC health and reflection."""
+    server = grpc.aio.server(interceptors=[ProtocolVersionInterceptor()], options=MESSAGE_LIMITS)
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME),
+                                        server)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise ListenError(f"cannot listen on {address}: {e}") from e
+    if bound == 0:
+        raise ListenError(f"cannot listen on {address}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s listening on %s", what, address)
+    return server
+
+
+async def wait_for_stop(*also: asyncio.Future) -> None:
+    """Returns on SIGTERM or SIGINT, or as soon as any of `also` is done."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({stopped, *also}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
