@@ -1,20 +1,30 @@
-"""The KV block pool of one lane: lane-local block ids with exact accounting.
+"""The KV block pool of one lane: lane-local block ids, reference counts, exact accounting,
+and the prefix cache over it.
 
-Reference counts are kept per block so that shared (prefix-cached, parallel-sampled) blocks slot
-in later; today every allocated block has exactly one owner.
+Invariants (checked by `check`):
+- a block is in the free list iff its reference count is 0; free + used = total;
+- a cached block (one with a hash) is either in use, or free and reusable by a later hit until
+  allocation evicts it. Free blocks are reused least-recently-freed first, so a request's tail
+  blocks, freed first (see `free`), go before its shared prefix.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Iterable
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}    # block id -> hash of its full content
+        self._block_of: dict[int, int] = {}   # hash -> block id
+        self.num_queries = 0                  # prefix-cache lookups, in blocks
+        self.num_hits = 0
 
     @property
     def num_free(self) -> int:
@@ -34,21 +44,64 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self._free):
             raise MemoryError(f"asked for {num_blocks} KV blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(num_blocks)]
-        for block_id in ids:
-            assert self._ref_counts[block_id] == 0
+        ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
             self._ref_counts[block_id] = 1
+            ids.append(block_id)
         return ids
 
-    def free(self, block_ids: list[int]) -> None:
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; pass a request's blocks tail first so its unique
+        suffix is reused before its (possibly shared) prefix."""
         for block_id in block_ids:
             assert self._ref_counts[block_id] > 0, f"block {block_id} freed twice"
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                self._free[block_id] = None
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (does not take them)."""
+        hits = []
+        if self.enable_caching:
+            for h in hashes:
+                block_id = self._block_of.get(h)
+                if block_id is None:
+                    break
+                hits.append(block_id)
+        return hits
+
+    def num_free_among(self, block_ids: list[int]) -> int:
+        return sum(1 for b in block_ids if self._ref_counts[b] == 0)
+
+    def take(self, block_ids: list[int]) -> None:
+        """Add a reference to each cached block of a hit (leaving the free list if idle)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def record_query(self, num_blocks: int, num_hits: int) -> None:
+        self.num_queries += num_blocks
+        self.num_hits += num_hits
+
+    def cache(self, block_id: int, block_hash: int) -> None:
+        """Publish a full, computed block under its hash. The first block with a given content
+        stays the cached one; a later duplicate simply is not shared."""
+        if self.enable_caching and block_hash not in self._block_of:
+            self._block_of[block_hash] = block_id
+            self._hash_of[block_id] = block_hash
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of[block_hash]
 
     def check(self) -> None:
-        """Exact accounting: a block is free iff nobody references it."""
         in_use = sum(1 for count in self._ref_counts if count > 0)
         assert in_use + len(self._free) == self.num_blocks
-        assert len(set(self._free)) == len(self._free)
+        assert all(self._ref_counts[b] == 0 for b in self._free)
+        assert len(self._hash_of) == len(self._block_of)
+        assert all(self._block_of[h] == b for b, h in self._hash_of.items())

@@ -53,7 +53,15 @@ class Request:
     on_device: bool = False
     # Index into output_token_ids up to which outputs have been sent to the client.
     num_sent_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission (reported to the client).
     num_cached_tokens: int = 0
+    # Chained hashes of the request's full blocks (prefix_hash.py), and how many of its blocks
+    # are published to the pool's prefix cache.
+    block_hashes: list[int] = field(default_factory=list)
+    num_published_blocks: int = 0
+    # False while waiting for something other than KV (a grammar compiling): the scheduler
+    # sets it aside without blocking the queue behind it.
+    ready: bool = True
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None

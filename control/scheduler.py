@@ -1,7 +1,8 @@
-"""The phase scheduler of one lane: admission, prefill chunks, decode batches, preemption.
+"""The phase scheduler of one lane: admission, prefill chunks, decode batches, preemption and
+prefix-cache hits.
 
-Lane-local state only: its own waiting and running queues, its own block pool and slots, so a
-lane coordinator can run several of these side by side.
+Lane-local state only: its own waiting and running queues, block pool and slots, so a lane
+coordinator can run several of these side by side.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from .blocks import BlockPool
 from .phase import PhasePolicy
+from .prefix_hash import extend_block_hashes
 from .request import FinishReason, Request, RequestStatus
 from .step import DecodeWork, PrefillWork, StepKind, StepPlan
 from .stop import check_stop
@@ -18,22 +20,36 @@ from .stop import check_stop
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int            # rows of this lane
-    max_num_batched_tokens: int  # prefill tokens per step
+    max_num_seqs: int              # rows of this lane
+    max_num_batched_tokens: int    # prefill tokens per step
     max_model_len: int
+    chunked_prefill: bool = True   # the model can prefill a prompt in several chunks
+    max_prefill_batch: int = 0     # rows of one prefill step; 0 = max_num_seqs
+    max_prefill_len: int = 0       # longest chunk (the largest traced prefill length); 0 = any
+
+    def __post_init__(self) -> None:
+        if not self.chunked_prefill:
+            # Whole prompts only: a budget below max_model_len would leave long prompts waiting
+            # forever (a livelock seen in the field).
+            assert self.max_num_batched_tokens >= self.max_model_len
+            assert not self.max_prefill_len or self.max_prefill_len >= self.max_model_len
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, lane: int = 0,
                  policy: PhasePolicy | None = None) -> None:
+        assert not config.chunked_prefill or min(
+            config.max_num_batched_tokens, config.max_prefill_len or pool.block_size) >= pool.block_size, \
+            "a chunk must hold at least one block, or chunked prefill cannot progress"
         self.config = config
         self.pool = pool
         self.lane = lane
         self.policy = policy or PhasePolicy()
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []   # in admission order; the last is preempted first
+        self.skipped: deque[Request] = deque()  # waiting on something other than KV
+        self.running: list[Request] = []        # in admission order; the last is preempted first
         self._free_slots = list(range(config.max_num_seqs))
-        self._released: list[str] = []     # device state to drop with the next step
+        self._released: list[str] = []         # device state to drop with the next step
         self.num_preemptions = 0
 
     # ---- queue changes -------------------------------------------------------------------
@@ -48,20 +64,23 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._evict(request)
-        else:
+        elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            self.skipped.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._released)
+        return bool(self.waiting or self.running or self._released or self.skipped)
 
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan(lane=self.lane, released_ids=self._released)
         self._released = []
+        self._set_aside()
         has_decodes = any(not r.is_prefilling for r in self.running)
         plan.kind = self.policy.choose(self._wants_prefill(), has_decodes)
         if plan.kind is StepKind.PREFILL:
@@ -74,69 +93,151 @@ class Scheduler:
             self._fill_decode(plan)
             if not plan.decode:
                 plan.kind = StepKind.EMPTY
+        self.policy.record(plan.kind, has_decodes)
         # A request preempted while planning this step leaves its id in _released.
         plan.released_ids += self._released
         self._released = []
         return plan
+
+    def _set_aside(self) -> None:
+        """Requests not ready to run (grammar compiling) wait aside; ready ones return to the
+        front of the queue in their arrival order."""
+        if self.skipped:
+            back = [r for r in self.skipped if r.ready]
+            if back:
+                self.skipped = deque(r for r in self.skipped if not r.ready)
+                self.waiting.extendleft(reversed(back))
+        while self.waiting and not self.waiting[0].ready:
+            self.skipped.append(self.waiting.popleft())
 
     def _wants_prefill(self) -> bool:
         if any(r.is_prefilling for r in self.running):
             return True
         if not self.waiting or not self._free_slots:
             return False
-        head = self.waiting[0]
-        first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
-        return self.pool.can_allocate(self.pool.blocks_for(first_chunk))
+        return self._admission(self.waiting[0], self.config.max_num_batched_tokens) is not None
+
+    def _admission(self, request: Request, budget: int) -> tuple[list[int], int, int] | None:
+        """(prefix-cache hits, first chunk end, new blocks) to admit `request` now, or None."""
+        hits: list[int] = []
+        if self.pool.enable_caching:
+            # The last known token is always computed: it yields the logits to sample from.
+            hashes = extend_block_hashes(request, self.pool.block_size, request.num_tokens - 1)
+            hits = self.pool.lookup(hashes)
+        start = len(hits) * self.pool.block_size
+        end = self._chunk_end(request, start, budget)
+        if end is None:
+            return None
+        new_blocks = self.pool.blocks_for(end) - len(hits)
+        if not self.pool.can_allocate(new_blocks + self.pool.num_free_among(hits)):
+            return None
+        return hits, end, new_blocks
+
+    def _chunk_end(self, request: Request, start: int, budget: int) -> int | None:
+        """Where a prefill chunk starting at `start` ends within `budget`, or None if none fits."""
+        limit = min(budget, self.config.max_prefill_len or budget)
+        if request.num_tokens - start <= limit:
+            return request.num_tokens
+        if not self.config.chunked_prefill:
+            return None
+        # Intermediate chunks end on a block boundary, so every chunk starts block-aligned
+        # (device kernels fill whole blocks).
+        end = (start + limit) // self.pool.block_size * self.pool.block_size
+        return end if end > start else None
 
     def _fill_prefill(self, plan: StepPlan) -> None:
         budget = self.config.max_num_batched_tokens
-        for request in self.running:  # partial prefills first: they hold blocks already
-            if budget > 0 and request.is_prefilling:
-                budget -= self._plan_chunk(plan, request, budget)
-        while budget > 0 and self.waiting and self._free_slots:
+        rows = self.config.max_prefill_batch or self.config.max_num_seqs
+        for request in list(self.running):  # partial prefills first: they hold blocks already
+            if budget <= 0 or rows <= 0:
+                return
+            if request.status is RequestStatus.RUNNING and request.is_prefilling:
+                scheduled = self._continue_chunk(plan, request, budget)
+                budget -= scheduled
+                rows -= scheduled > 0
+        while budget > 0 and rows > 0 and self.waiting and self._free_slots:
             request = self.waiting[0]
-            if not self.pool.can_allocate(self.pool.blocks_for(min(request.num_tokens, budget))):
+            if not request.ready:
+                self.skipped.append(self.waiting.popleft())
+                continue
+            admission = self._admission(request, budget)
+            if admission is None:
                 break  # first come, first served: no overtaking the head of the queue
+            hits, end, new_blocks = admission
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.slot = heapq.heappop(self._free_slots)
-            self.running.append(request)
-            plan.new_requests.append(request)
-            request.on_device = True
-            budget -= self._plan_chunk(plan, request, budget)
+            self._start(request, plan, hits)
+            start = request.num_computed_tokens
+            new_ids = self.pool.allocate(new_blocks)
+            request.block_ids += new_ids
+            plan.prefill.append(PrefillWork(request, start, end, hits + new_ids,
+                                            sample=end == request.num_tokens))
+            budget -= end - start
+            rows -= 1
 
-    def _plan_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
+    def _start(self, request: Request, plan: StepPlan, hits: list[int]) -> None:
+        """Move an admitted request to running with its prefix-cache hits in place."""
+        request.status = RequestStatus.RUNNING
+        request.slot = heapq.heappop(self._free_slots)
+        request.on_device = True
+        self.running.append(request)
+        plan.new_requests.append(request)
+        self.pool.take(hits)
+        request.block_ids = list(hits)
+        request.num_published_blocks = len(hits)
+        request.num_computed_tokens = len(hits) * self.pool.block_size
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+            if self.pool.enable_caching:
+                self.pool.record_query(max(request.num_tokens - 1, 0) // self.pool.block_size, len(hits))
+
+    def _continue_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
         start = request.num_computed_tokens
-        end = min(request.num_tokens, start + budget)
-        needed = self.pool.blocks_for(end) - len(request.block_ids)
-        if not self.pool.can_allocate(needed):
+        end = self._chunk_end(request, start, budget)
+        if end is None:
             return 0
-        new_blocks = self.pool.allocate(needed)
-        request.block_ids += new_blocks
-        plan.prefill.append(PrefillWork(request, start, end, new_blocks, sample=end == request.num_tokens))
+        needed = self.pool.blocks_for(end) - len(request.block_ids)
+        # Older requests go first: newer ones are preempted to let this chunk run, so partial
+        # prefills that share a full pool cannot wait on each other forever.
+        if not self._make_room(request, needed, preempt_self=False):
+            return 0
+        new_ids = self.pool.allocate(needed)
+        request.block_ids += new_ids
+        plan.prefill.append(PrefillWork(request, start, end, new_ids, sample=end == request.num_tokens))
         return end - start
+
+    def _make_room(self, request: Request, needed: int, preempt_self: bool = True) -> bool:
+        """Preempt running requests newer than `request` until `needed` blocks are free.
+
+        If it is the newest and still does not fit, a decode preempts itself (it must either run
+        or give its blocks back); a partial prefill keeps its blocks and waits instead, since
+        giving them up would only make it recompute the same chunks.
+        """
+        while not self.pool.can_allocate(needed):
+            victim = self.running[-1]
+            if victim is request and not preempt_self:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
 
     def _fill_decode(self, plan: StepPlan) -> None:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.is_prefilling:
                 continue
             needed = self.pool.blocks_for(request.num_tokens) - len(request.block_ids)
-            while not self.pool.can_allocate(needed):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
+            if not self._make_room(request, needed):
                 continue
-            new_blocks = self.pool.allocate(needed)
-            request.block_ids += new_blocks
+            new_ids = self.pool.allocate(needed)
+            request.block_ids += new_ids
             plan.decode.append(DecodeWork(request, request.output_token_ids[-1],
-                                          request.num_tokens - 1, new_blocks))
+                                          request.num_tokens - 1, new_ids))
         # A victim may have been planned before it was preempted: drop it from this step.
         plan.decode = [w for w in plan.decode if w.request.status is RequestStatus.RUNNING]
 
     def _preempt(self, request: Request) -> None:
-        """Back to the head of waiting with nothing on the device; it recomputes on resume."""
+        """Back to the head of waiting with nothing on the device; it recomputes on resume
+        (from its cached prefix blocks, when they survive)."""
         self.running.remove(request)
         self._evict(request)
         request.status = RequestStatus.WAITING
@@ -147,8 +248,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _evict(self, request: Request) -> None:
-        self.pool.free(request.block_ids)
+        self.pool.free(reversed(request.block_ids))
         request.block_ids = []
+        request.num_published_blocks = 0
         if request.slot is not None:
             heapq.heappush(self._free_slots, request.slot)
             request.slot = None
@@ -165,6 +267,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens = work.end
+            self._publish_blocks(request)
             if work.sample:
                 request.prefilled = True
                 self._append(request, sampled[request.request_id], changed)
@@ -173,8 +276,18 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = work.position + 1
+            self._publish_blocks(request)
             self._append(request, sampled[request.request_id], changed)
         return changed
+
+    def _publish_blocks(self, request: Request) -> None:
+        """Blocks that just became full and computed join the prefix cache."""
+        full = request.num_computed_tokens // self.pool.block_size
+        if self.pool.enable_caching and full > request.num_published_blocks:
+            hashes = extend_block_hashes(request, self.pool.block_size, request.num_computed_tokens)
+            for i in range(request.num_published_blocks, full):
+                self.pool.cache(request.block_ids[i], hashes[i])
+            request.num_published_blocks = full
 
     def _append(self, request: Request, token_id: int, changed: list[Request]) -> None:
         request.output_token_ids.append(token_id)

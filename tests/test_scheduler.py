@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ttserve.control.blocks import BlockPool
+from ttserve.control.phase import PhasePolicy
 from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.step import StepKind, StepPlan
@@ -18,8 +19,11 @@ def make(rid: str, prompt_len: int, max_tokens: int = 4, **sampling) -> Request:
 
 
 def scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 4,
-              budget: int = 32, max_model_len: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), BlockPool(num_blocks, block_size))
+              budget: int = 32, max_model_len: int = 64, caching: bool = False,
+              max_consecutive_prefills: int = 4, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, **config),
+                     BlockPool(num_blocks, block_size, enable_caching=caching),
+                     policy=PhasePolicy(max_consecutive_prefills))
 
 
 def run_step(s: Scheduler, token: int = 7) -> StepPlan:
@@ -168,38 +172,210 @@ def test_resumed_request_prefills_prompt_and_outputs_then_samples_next():
     assert (work.start, work.end, work.sample) == (0, 6, True)
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 20), st.booleans()), min_size=1, max_size=12),
-       st.integers(6, 24), st.integers(1, 4), st.integers(4, 32), st.data())
-def test_invariants_hold_under_random_traffic(specs, num_blocks, max_num_seqs, budget, data):
-    """No mixed step, exact block accounting after every step, every request finishes, nothing
-    leaks, and no step passes without progress while work remains."""
+def test_decode_steps_interleave_between_chunks_of_a_long_prompt():
+    s = scheduler(budget=8, max_consecutive_prefills=2, max_model_len=128, num_blocks=64)
+    streaming = make("stream", 3, max_tokens=100)
+    s.add(streaming)
+    run_step(s)                       # its prefill: it decodes from now on
+    s.add(make("long", 60, max_tokens=2))
+    kinds = [run_step(s).kind for _ in range(12)]
+    assert kinds[:9] == [StepKind.PREFILL, StepKind.PREFILL, StepKind.DECODE] * 3
+    assert len(streaming.output_token_ids) >= 5
+
+
+def test_without_chunking_a_prompt_is_never_split():
+    s = scheduler(budget=64, max_model_len=64, chunked_prefill=False)
+    a, b = make("a", 40), make("b", 40)
+    s.add(a)
+    s.add(b)
+    first = run_step(s)
+    assert [(w.request.request_id, w.start, w.end) for w in first.prefill] == [("a", 0, 40)]
+    second = run_step(s)
+    assert [(w.request.request_id, w.start, w.end) for w in second.prefill] == [("b", 0, 40)]
+
+
+def test_no_chunking_with_a_small_budget_is_refused_at_construction():
+    # Regression (field livelock): max_num_batched_tokens < prompt < max_model_len, no chunking.
+    import pytest
+    with pytest.raises(AssertionError):
+        SchedulerConfig(4, 16, 64, chunked_prefill=False)
+
+
+def test_intermediate_chunks_end_on_block_boundaries():
+    s = scheduler(budget=10, block_size=4)
+    s.add(make("a", 25))
+    ends = []
+    while not s.running or s.running[0].is_prefilling:
+        ends.append(run_step(s).prefill[0].end)
+    assert ends == [8, 16, 25]
+
+
+def test_prefill_batch_follows_the_devices_rows_and_longest_trace():
+    s = scheduler(budget=64, max_prefill_batch=2, max_prefill_len=8)
+    for i in range(3):
+        s.add(make(str(i), 12))
+    plan = s.schedule()
+    assert [(w.request.request_id, w.end - w.start) for w in plan.prefill] == [("0", 8), ("1", 8)]
+
+
+def test_prefix_cache_hit_skips_cached_blocks_and_reports_them():
+    s = scheduler(caching=True, block_size=4)
+    first = make("a", 13, max_tokens=2)
+    s.add(first)
+    run_step(s)
+    first_blocks = list(first.block_ids)
+    while s.has_work:
+        run_step(s)
+    second = make("b", 13, max_tokens=2)
+    s.add(second)
+    work = s.schedule().prefill[0]
+    assert (work.start, work.end) == (12, 13) and second.num_cached_tokens == 12
+    assert work.new_block_ids[:3] == first_blocks[:3]
+    assert (s.pool.num_queries, s.pool.num_hits) == (6, 3)
+
+
+def test_prefix_hit_always_leaves_the_last_token_to_compute():
+    s = scheduler(caching=True, block_size=4)
+    s.add(make("a", 12, max_tokens=1))
+    while s.has_work:
+        run_step(s)
+    again = make("b", 12, max_tokens=1)
+    s.add(again)
+    work = s.schedule().prefill[0]
+    assert (work.start, work.end) == (8, 12) and again.num_cached_tokens == 8
+
+
+def test_salted_requests_do_not_share_blocks():
+    s = scheduler(caching=True, block_size=4)
+    s.add(make("a", 13, max_tokens=1))
+    while s.has_work:
+        run_step(s)
+    other = Request("b", list(range(10, 23)), SamplingParams(max_tokens=1), cache_salt="tenant-b")
+    s.add(other)
+    assert s.schedule().prefill[0].start == 0
+
+
+def test_preempted_request_resumes_from_its_cached_prefix():
+    s = scheduler(caching=True, block_size=4, num_blocks=32)
+    r = make("a", 9, max_tokens=20)
+    s.add(r)
+    for _ in range(5):
+        run_step(s)
+    s._preempt(r)
+    work = s.schedule().prefill[0]
+    assert work.start == 12 and work.end == r.num_tokens and work.sample
+
+
+def test_request_waiting_on_its_grammar_sits_aside_without_blocking():
+    s = scheduler()
+    slow, fast = make("slow", 5), make("fast", 5)
+    slow.ready = False
+    s.add(slow)
+    s.add(fast)
+    plan = run_step(s)
+    assert [w.request.request_id for w in plan.prefill] == ["fast"] and list(s.skipped) == [slow]
+    slow.ready = True
+    plan = run_step(s)
+    assert [w.request.request_id for w in plan.prefill] == ["slow"] and not s.skipped
+
+
+def test_abort_while_waiting_aside():
+    s = scheduler()
+    r = make("a", 5)
+    r.ready = False
+    s.add(r)
+    s.schedule()
+    s.finish(r, FinishReason.ABORT)
+    assert not s.has_work
+
+
+def test_forced_prefill_with_zero_tokens_retries_as_decode():
+    # Regression (field livelock): a partial prefill wants the next chunk but no block is free
+    # while a decode runs; the step must run the decode, which frees blocks as it finishes.
+    s = scheduler(num_blocks=4, block_size=4, budget=4, max_model_len=16)
+    a = make("a", 4, max_tokens=2)
+    s.add(a)
+    run_step(s)                      # a: 1 block, decoding
+    b = make("b", 12, max_tokens=1)
+    s.add(b)
+    run_step(s)                      # b: first chunk, 1 block
+    run_step(s)                      # b: second chunk, 1 block
+    s.pool.allocate(s.pool.num_free)  # the rest of the pool is gone
+    plan = s.schedule()
+    assert plan.kind is StepKind.DECODE and [w.request for w in plan.decode] == [a]
+
+
+def test_partial_prefills_sharing_a_full_pool_cannot_deadlock():
+    # Two prompts admitted together fill the pool with their first chunks; the older one takes
+    # the newer one's blocks (preemption) instead of both waiting forever.
+    s = scheduler(num_blocks=4, block_size=4, budget=16, max_model_len=16, max_prefill_len=8)
+    a, b = make("a", 15, max_tokens=1), make("b", 15, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()
+    assert [w.request for w in first.prefill] == [a, b] and s.pool.num_free == 0
+    s.update(first, {})
+    second = s.schedule()
+    assert [w.request for w in second.prefill] == [a] and b.status is RequestStatus.WAITING
+    assert second.released_ids == ["b"]
+    s.update(second, {"a": 7})
+    while s.has_work:
+        run_step(s)
+    assert a.is_finished and b.is_finished
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20), st.booleans(), st.booleans(),
+                          st.integers(0, 6)), min_size=1, max_size=12),
+       st.integers(8, 24), st.integers(1, 4), st.integers(4, 32), st.booleans(), st.integers(1, 3),
+       st.sampled_from([0, 4, 8]), st.integers(0, 3), st.data())
+def test_invariants_hold_under_random_traffic(specs, num_blocks, max_num_seqs, budget, caching,
+                                              bound, max_prefill_len, max_prefill_batch, data):
+    """Random arrivals, lengths, shared prefixes, aborts, grammar waits and block budgets: no mixed
+    step; exact block accounting at every step; nothing held once all requests end; every
+    request finishes; no step without progress; decodes never wait more than `bound` prefills."""
     block_size = 4
     max_model_len = min(num_blocks * block_size, 64)
-    s = scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len)
-    reqs = []
-    for i, (prompt_len, max_tokens, _) in enumerate(specs):
+    s = scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len, caching=caching,
+                  max_consecutive_prefills=bound, max_prefill_len=max_prefill_len,
+                  max_prefill_batch=max_prefill_batch)
+    pending = []
+    for i, (prompt_len, max_tokens, abort, compiling, arrive) in enumerate(specs):
         prompt_len = min(prompt_len, max_model_len - 1)
-        reqs.append(make(str(i), prompt_len, max_tokens))
-        s.add(reqs[-1])
-    steps = 0
-    while s.has_work:
+        r = Request(str(i), [10 + (j % 7) for j in range(prompt_len)],  # shared prefixes
+                    SamplingParams(max_tokens=max_tokens, eos_token_ids=frozenset({EOS})))
+        r.ready = not compiling
+        pending.append((arrive, r, abort))
+    reqs = [r for _, r, _ in pending]
+    steps, streak = 0, 0
+    while pending or s.has_work:
         steps += 1
         assert steps < 5000, "no progress"
+        for entry in [e for e in pending if e[0] <= steps]:
+            pending.remove(entry)
+            s.add(entry[1])
+        for r in s.skipped:                      # grammars finish compiling eventually
+            r.ready = r.ready or data.draw(st.booleans())
+        had_decodes = any(not r.is_prefilling for r in s.running)
         plan = s.schedule()
         assert not (plan.prefill and plan.decode)
-        assert plan.kind is not StepKind.EMPTY or plan.released_ids or not (s.waiting or s.running)
+        if plan.kind is StepKind.EMPTY:
+            assert plan.released_ids or not s.running, "empty step while requests run"
+            assert not s.waiting or s.running or s.skipped or not s._free_slots or pending
+        streak = streak + 1 if plan.kind is StepKind.PREFILL and had_decodes else 0
+        assert streak <= bound, "decodes waited more prefill steps than the bound"
         assert plan.num_tokens <= max(budget, max_num_seqs)
+        assert all(w.end - w.start <= (max_prefill_len or budget) for w in plan.prefill)
+        assert len(plan.prefill) <= (max_prefill_batch or max_num_seqs)
         token = data.draw(st.sampled_from([7, 7, 7, EOS]))
         sampled = {w.request.request_id: token for w in plan.prefill if w.sample}
         sampled |= {w.request.request_id: token for w in plan.decode}
         s.update(plan, sampled)
-        # Abort some requests mid-flight.
-        for r, (_, _, abort) in zip(reqs, specs):
-            if abort and r.status is RequestStatus.RUNNING and r.output_token_ids:
+        for r, spec in zip(reqs, specs):
+            if spec[2] and r.status is RequestStatus.RUNNING and r.output_token_ids:
                 s.finish(r, FinishReason.ABORT)
         s.pool.check()
-        used = sum(len(r.block_ids) for r in s.running)
-        assert used == s.pool.num_used
+        held = {b for r in s.running for b in r.block_ids}
+        assert len(held) == s.pool.num_used
     assert all(r.is_finished for r in reqs)
     assert s.pool.num_free == s.pool.num_blocks
