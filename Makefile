@@ -38,6 +38,8 @@ e2e: setup
 
 bench: setup
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/scheduler_cost.py
+	$(PY) benchmarks/phase_policy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info ttserve/v1/*_pb2*.py ttserve/v1/*_pb2*.pyi

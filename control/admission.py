@@ -40,6 +40,11 @@ def check_request(request: Request, unsupported: list[str], limits: Limits) -> N
             f"{limits.max_model_len} tokens (prompt plus at least one generated token)")
     if request.sampling.max_tokens < 1:
         raise AdmissionError(f"max_tokens must be at least 1, got {request.sampling.max_tokens}")
+    if prompt_len + request.sampling.max_tokens > limits.max_model_len:
+        raise AdmissionError(
+            f"the prompt has {prompt_len} tokens and max_tokens is {request.sampling.max_tokens}, "
+            f"but this model's maximum context length is {limits.max_model_len} tokens: lower "
+            f"max_tokens to at most {limits.max_model_len - prompt_len}")
     bad = [t for t in request.prompt_token_ids if t >= limits.vocab_size]
     if bad:
         raise AdmissionError(f"prompt token id {bad[0]} is out of range: the vocabulary has "

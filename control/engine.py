@@ -11,6 +11,7 @@ from ttserve.v1 import engine_pb2
 
 from .admission import AdmissionError, Limits, check_request
 from .blocks import BlockPool
+from .phase import PhasePolicy
 from .request import FinishReason, Request
 from .scheduler import Scheduler, SchedulerConfig
 from .step import StepKind
@@ -30,6 +31,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity
+    enable_prefix_caching: bool = False
+    max_consecutive_prefills: int = 2
     reconnect_interval_s: float = 1.0
 
 
@@ -144,13 +147,7 @@ class Engine:
         await link.open()
         self.worker = warm
         self.limits = Limits(max_model_len=max_model_len, vocab_size=warm.vocab_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, batched, max_model_len),
-            BlockPool(warm.num_blocks_per_lane, warm.block_size))
-        log.info("serving %s (%s) on worker %s [%s, %s]: 1 lane x %d seqs, %d blocks x %d tokens, "
-                 "max_model_len %d, max_num_batched_tokens %d", warm.model_path, warm.architecture,
-                 warm.address, warm.backend, warm.device, self.config.max_num_seqs,
-                 warm.num_blocks_per_lane, warm.block_size, max_model_len, batched)
+        self.scheduler = build_scheduler(warm, self.config, max_model_len, batched)
 
     async def _step_loop(self, link: WorkerLink) -> None:
         scheduler = self.scheduler
@@ -203,3 +200,31 @@ class Engine:
             else:
                 request.finish_reason, request.error = FinishReason.ERROR, message
         self._publish(0, failed)
+
+
+def build_scheduler(warm: WorkerDescription, config: EngineConfig, max_model_len: int,
+                    batched: int) -> Scheduler:
+    """The lane scheduler for what the warmed-up worker reports it can do."""
+    caching = config.enable_prefix_caching
+    if caching and not warm.supports_prefix_caching:
+        log.warning("--enable-prefix-caching: %s on this worker does not support prefix caching; "
+                    "serving without it", warm.architecture)
+        caching = False
+    block_size = warm.block_size
+    if warm.supports_chunked_prefill and batched < block_size:
+        log.warning("max_num_batched_tokens raised from %d to the block size %d: a prefill chunk "
+                    "holds at least one block", batched, block_size)
+        batched = block_size
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
+        max_model_len=max_model_len, chunked_prefill=warm.supports_chunked_prefill,
+        max_prefill_batch=warm.max_prefill_batch_size,
+        max_prefill_len=max(warm.prefill_buckets, default=0))
+    log.info("serving %s (%s) on worker %s [%s, %s]: 1 lane x %d seqs, %d blocks x %d tokens, "
+             "max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, prefix caching %s, "
+             "prefill lengths %s", warm.model_path, warm.architecture, warm.address, warm.backend,
+             warm.device, config.max_num_seqs, warm.num_blocks_per_lane, block_size, max_model_len,
+             batched, "on" if scheduler_config.chunked_prefill else "off", "on" if caching else "off",
+             warm.prefill_buckets or "any")
+    return Scheduler(scheduler_config, BlockPool(warm.num_blocks_per_lane, block_size, caching),
+                     policy=PhasePolicy(config.max_consecutive_prefills))

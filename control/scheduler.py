@@ -10,12 +10,16 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+import logging
+
 from .blocks import BlockPool
 from .phase import PhasePolicy
 from .prefix_hash import extend_block_hashes
 from .request import FinishReason, Request, RequestStatus
 from .step import DecodeWork, PrefillWork, StepKind, StepPlan
 from .stop import check_stop
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -245,6 +249,9 @@ class Scheduler:
         request.prefilled = False
         request.num_preemptions += 1
         self.num_preemptions += 1
+        log.info("preempted request %s on lane %d: the KV cache is full (%d blocks); it will "
+                 "recompute %d tokens (%d preemptions so far)", request.request_id, self.lane,
+                 self.pool.num_blocks, request.num_tokens, self.num_preemptions)
         self.waiting.appendleft(request)
 
     def _evict(self, request: Request) -> None:

@@ -71,9 +71,11 @@ class WorkerDescription:
     max_position_embeddings: int
     eos_token_ids: list[int]
     supports_chunked_prefill: bool
+    supports_prefix_caching: bool
     num_blocks_per_lane: int = 0
     block_size: int = 0
     prefill_buckets: list[int] = field(default_factory=list)
+    max_prefill_batch_size: int = 0
 
 
 def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> WorkerDescription:
@@ -82,8 +84,9 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         architecture=d.architecture, vocab_size=d.vocab_size,
         max_position_embeddings=d.max_position_embeddings, eos_token_ids=list(d.eos_token_ids),
         supports_chunked_prefill=d.capabilities.supports_chunked_prefill,
+        supports_prefix_caching=d.capabilities.supports_prefix_caching,
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
-        prefill_buckets=list(d.prefill_buckets))
+        prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size)
 
 
 def step_batch_to_pb(step_id: int, plan: StepPlan, max_num_seqs: int) -> device_pb2.StepBatch:

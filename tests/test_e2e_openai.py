@@ -18,6 +18,10 @@ PROMPTS = [
     "The history of the Roman Empire",
     "def fibonacci(n):",
     "Tenstorrent builds AI accelerators. Their chips",
+    # Long enough for several prefill chunks at the stack's budget of 16 tokens.
+    "The following is a detailed account of the voyage of a small research vessel across the "
+    "North Atlantic in winter, written by its captain, who kept a careful log of the weather, the "
+    "sea state, the condition of the crew and every repair made to the ship along the way. Day one:",
 ]
 
 

@@ -1,0 +1,75 @@
+"""Scheduling through the real services: greedy output is unchanged by preemption (forced by a
+tiny KV pool) and by prefix-cache hits, and the hits are reported to the client."""
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import torch
+
+from stack import Stack, start_stack
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 16
+# 12 blocks of 16 tokens: four requests of ~75 tokens each (5 blocks) cannot all fit.
+BYTES_PER_BLOCK = 30 * 2 * 3 * BLOCK * 64 * 4  # SmolLM2: layers x (K, V) x kv heads x block x dim x fp32
+NUM_BLOCKS = 12
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm2) -> Stack:
+    s = start_stack(tmp_path_factory.mktemp("sched"), str(smollm2),
+                    control_flags=("--max-num-seqs", "4", "--enable-prefix-caching",
+                                   "--max-num-batched-tokens", "32"),
+                    worker_flags=("--block-size", str(BLOCK),
+                                  "--kv-cache-memory-bytes", str(NUM_BLOCKS * BYTES_PER_BLOCK)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+
+
+def hf_greedy(smollm2, ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False)[0, len(ids):].tolist()
+
+
+def test_preemption_by_kv_pressure_keeps_greedy_output_exact(stack, smollm2):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [tokenizer(f"Item {i}: a list of animals that live in the sea:")["input_ids"] for i in range(4)]
+    client = openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+
+    async def one(ids):
+        out = await client.completions.create(model=smollm2.name, prompt=ids, max_tokens=64, temperature=0,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True})
+        return out.choices[0].token_ids
+
+    async def run():
+        return await asyncio.gather(*(one(ids) for ids in prompts))
+
+    outputs = asyncio.run(run())
+    assert "preempted request" in stack.services[1].output(), "the KV pool was meant to force preemption"
+    for ids, got in zip(prompts, outputs):
+        assert got == hf_greedy(smollm2, ids, 64)
+
+
+def test_prefix_cache_hit_is_reported_and_changes_nothing(client, smollm2):
+    prompt = ("You are a careful assistant. Answer in one short sentence. " * 6) + "What is a lighthouse?"
+    kw = dict(model=smollm2.name, messages=[{"role": "user", "content": prompt}], max_tokens=16,
+              temperature=0, extra_body={"return_token_ids": True})
+    first = client.chat.completions.create(**kw)
+    second = client.chat.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole blocks only, and never the last prompt token (its logits are needed to sample).
+    assert cached == (second.usage.prompt_tokens - 1) // BLOCK * BLOCK and cached >= 4 * BLOCK
+    assert second.choices[0].token_ids == first.choices[0].token_ids
