@@ -31,10 +31,7 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
         ("repetition_penalty", s.repetition_penalty not in (0.0, 1.0)),
         ("logprobs", s.HasField("logprobs")), ("prompt_logprobs", s.HasField("prompt_logprobs")),
         ("logit_bias", bool(s.logit_bias)), ("allowed_token_ids", bool(s.allowed_token_ids)),
-        ("bad_words", bool(s.bad_words)),
-        # vLLM masks EOS and stop ids until min_tokens; without that mask the model would emit
-        # them as text, so the option is refused until the host sampler applies it.
-        ("min_tokens", s.min_tokens > 0)) if is_set]
+        ("bad_words", bool(s.bad_words))) if is_set]
     request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
                       sampling=sampling, client_id=client_id,
                       arrival_time=add.arrival_time or time.time(), cache_salt=add.cache_salt)
@@ -97,8 +94,13 @@ def step_batch_to_pb(step_id: int, plan: StepPlan, max_num_seqs: int) -> device_
         sampling = device_pb2.DeviceSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         if s.seed is not None:
             sampling.seed = s.seed
+        if s.min_tokens > len(request.output_token_ids):
+            sampling.min_tokens = s.min_tokens
+            blocked = s.stop_token_ids if s.ignore_eos else s.stop_token_ids | s.eos_token_ids
+            sampling.min_tokens_blocked_ids.extend(sorted(blocked))
         batch.new_requests.add(request_id=request.request_id, lane=plan.lane,
-                               row=plan.lane * max_num_seqs + request.slot, sampling=sampling)
+                               row=plan.lane * max_num_seqs + request.slot, sampling=sampling,
+                               num_output_tokens=len(request.output_token_ids))
     for work in plan.prefill:
         all_ids = work.request.all_token_ids
         batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],

@@ -97,8 +97,9 @@ def test_admission_refuses_with_a_message(control):
     session.add("long", [5] * 9000, 4)
     session.add("zero", [5], 0)
     session.add("vocab", [10**6], 4)
+    session.add("too-many", [5] * 10, 9000)
     verdicts = {}
-    for _ in range(3):
+    for _ in range(4):
         a = session.next().admission
         verdicts[a.request_id] = (a.verdict, a.message)
     session.close()
@@ -106,6 +107,7 @@ def test_admission_refuses_with_a_message(control):
     assert "maximum context length" in verdicts["long"][1]
     assert "max_tokens" in verdicts["zero"][1]
     assert "out of range" in verdicts["vocab"][1]
+    assert "lower max_tokens" in verdicts["too-many"][1]
 
 
 def test_abort_stops_a_request_and_its_slot_is_reused(control):

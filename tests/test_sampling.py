@@ -106,3 +106,13 @@ def test_sample_stays_inside_the_top_k_and_top_p_sets(seed, temperature, top_k, 
     probs = probs.softmax(-1)
     mass_before = float(probs[:rank].sum())
     assert rank == 0 or mass_before <= top_p + 1e-5
+
+
+def test_blocked_ids_are_never_sampled():
+    logits = torch.zeros(2, 8)
+    logits[:, 3] = 10.0
+    batch = SamplingBatch([0.0, 1.0], [0, 0], [1.0, 1.0], blocked_token_ids=[[3], [3, 4]])
+    for _ in range(20):
+        out = sample(logits, batch)
+        assert 3 not in out.tolist() and out[1] != 4
+    assert sample(logits, SamplingBatch.greedy(2)).tolist() == [3, 3]

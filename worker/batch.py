@@ -13,6 +13,9 @@ class NewRequest:
     top_p: float
     top_k: int
     seed: int | None
+    min_tokens: int = 0
+    min_tokens_blocked_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -35,7 +35,14 @@ class RequestState:
     top_p: float
     top_k: int
     generator: torch.Generator | None
+    min_tokens: int = 0
+    min_tokens_blocked_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0     # sampled so far, including before a preemption
     block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def blocked_token_ids(self) -> list[int] | None:
+        return self.min_tokens_blocked_ids if self.num_output_tokens < self.min_tokens else None
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,7 +171,8 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.seed)
         self._requests[new.request_id] = RequestState(
-            new.row, new.lane, new.temperature, new.top_p, new.top_k, generator)
+            new.row, new.lane, new.temperature, new.top_p, new.top_k, generator, new.min_tokens,
+            new.min_tokens_blocked_ids, new.num_output_tokens)
 
     def _state(self, request_id: str, new_block_ids: list[int]) -> RequestState:
         state = self._requests.get(request_id)
@@ -198,7 +206,10 @@ class ModelRunner:
             start_pos=torch.tensor([c.start_pos for c in chunks]), enable_trace=False,
             sampling_params=sampling, empty_slots=rows)
         sampled = out.tolist()
-        return {c.request_id: int(t) for c, t in zip(chunks, sampled) if c.sample}
+        tokens = {c.request_id: int(t) for c, t in zip(chunks, sampled) if c.sample}
+        for request_id in tokens:
+            self._requests[request_id].num_output_tokens += 1
+        return tokens
 
     def _decode(self, items: list[DecodeItem]) -> dict[str, int]:
         assert self.config is not None
@@ -216,7 +227,12 @@ class ModelRunner:
             enable_trace=False, read_from_device=True, sampling_params=_sampling_batch(by_row))
         out = self.model.process_decode_output_host(self.model.read_decode_output(out), is_tokens=True)
         sampled = out.reshape(-1).tolist()
-        return {item.request_id: int(sampled[self._requests[item.request_id].row]) for item in items}
+        tokens = {}
+        for item in items:
+            state = self._requests[item.request_id]
+            state.num_output_tokens += 1
+            tokens[item.request_id] = int(sampled[state.row])
+        return tokens
 
 
 def _sampling_batch(states: list[RequestState | None]) -> SamplingBatch:
@@ -225,4 +241,5 @@ def _sampling_batch(states: list[RequestState | None]) -> SamplingBatch:
         temperature=[s.temperature if s else 0.0 for s in states],
         top_k=[s.top_k if s else 0 for s in states],
         top_p=[s.top_p if s else 1.0 for s in states],
-        generators=[s.generator if s else None for s in states])
+        generators=[s.generator if s else None for s in states],
+        blocked_token_ids=[s.blocked_token_ids if s else None for s in states])

@@ -29,11 +29,16 @@ class SamplingBatch:
     top_k: Sequence[int] | torch.Tensor
     top_p: Sequence[float] | torch.Tensor
     generators: list[torch.Generator | None] = field(default_factory=list)
+    # Per row, token ids that must not be sampled this step (EOS and stop ids before
+    # min_tokens), or None.
+    blocked_token_ids: list[list[int] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.temperature)
         if not self.generators:
             self.generators = [None] * n
+        if not self.blocked_token_ids:
+            self.blocked_token_ids = [None] * n
         if not (len(self.top_k) == len(self.top_p) == len(self.generators) == n):
             raise ValueError(
                 f"SamplingBatch fields differ in length: temperature={n} top_k={len(self.top_k)} "
@@ -46,7 +51,8 @@ class SamplingBatch:
         """The batch of the given rows, in that order."""
         pick = lambda values: [values[r] for r in rows]  # noqa: E731
         return SamplingBatch([float(t) for t in pick(self.temperature)], [int(k) for k in pick(self.top_k)],
-                             [float(p) for p in pick(self.top_p)], pick(self.generators))
+                             [float(p) for p in pick(self.top_p)], pick(self.generators),
+                             pick(self.blocked_token_ids))
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingBatch:
@@ -73,6 +79,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
+    if any(ids for ids in batch.blocked_token_ids):
+        logits = logits.clone()
+        for row, ids in enumerate(batch.blocked_token_ids):
+            if ids:
+                logits[row, ids] = float("-inf")
 
     temperature = _as_tensor(batch.temperature, torch.float32)
     top_k = _as_tensor(batch.top_k, torch.int64)

@@ -14,7 +14,9 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
         step_id=b.step_id, kind=_KIND[b.kind],
         new_requests=[NewRequest(r.request_id, r.lane, r.row, r.sampling.temperature,
                                  r.sampling.top_p or 1.0, r.sampling.top_k,
-                                 r.sampling.seed if r.sampling.HasField("seed") else None)
+                                 r.sampling.seed if r.sampling.HasField("seed") else None,
+                                 r.sampling.min_tokens, list(r.sampling.min_tokens_blocked_ids),
+                                 r.num_output_tokens)
                       for r in b.new_requests],
         released_ids=list(b.released_request_ids),
         prefill=[PrefillChunk(c.request_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample)
