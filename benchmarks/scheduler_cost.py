@@ -45,7 +45,7 @@ def ttserve_steps(running: int, waiting: int, steps: int, wire: bool = False) ->
         start = time.perf_counter()
         plan = s.schedule()
         if wire:
-            step_batch_to_pb(1, plan, running).SerializeToString()
+            step_batch_to_pb(1, plan.kind, [plan], running).SerializeToString()
         s.update(plan, {w.request.request_id: 7 for w in plan.decode})
         times.append(time.perf_counter() - start)
     return times

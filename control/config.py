@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=50051, help="gRPC port of engine.proto")
     g.add_argument("--worker", action="append", default=None, metavar="HOST:PORT",
-                   help="device worker address (default 127.0.0.1:50061)")
+                   help="device worker address, repeatable: each worker's lanes join the pool "
+                        "(default 127.0.0.1:50061)")
     g.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once, per lane")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="prefill tokens per step; longer prompts are prefilled in chunks")
@@ -31,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefill steps in a row while decodes wait: bounds the stall of streaming "
                         "requests during bursts of long prompts (benchmarks/phase_policy.py: 2 "
                         "cuts the worst stall 15x for +5%% burst TTFT against unbounded)")
-    g.add_argument("--data-parallel-size", type=int, default=1, help="number of lanes")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="lanes (data-parallel KV caches) per worker; --max-num-seqs is per lane")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -45,16 +47,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--max-num-seqs must be a positive per-lane count, got {args.max_num_seqs}")
     if args.max_num_batched_tokens < 1:
         raise ConfigError(f"--max-num-batched-tokens must be positive, got {args.max_num_batched_tokens}")
-    if args.data_parallel_size != 1:
-        raise ConfigError(f"--data-parallel-size {args.data_parallel_size}: this release serves one "
-                          "lane; lanes and data parallelism are not implemented yet")
-    workers = args.worker or ["127.0.0.1:50061"]
-    if len(workers) != 1:
-        raise ConfigError(f"{len(workers)} --worker addresses given: this release drives exactly one worker")
+    if args.data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size must be a positive number of lanes per worker, "
+                          f"got {args.data_parallel_size}")
+    workers = tuple(args.worker or ["127.0.0.1:50061"])
+    if len(set(workers)) != len(workers):
+        raise ConfigError(f"--worker lists an address twice: {' '.join(workers)}")
     if args.max_consecutive_prefill_steps < 1:
         raise ConfigError("--max-consecutive-prefill-steps must be at least 1, got "
                           f"{args.max_consecutive_prefill_steps}")
-    return EngineConfig(worker_address=workers[0], max_num_seqs=args.max_num_seqs,
+    return EngineConfig(workers=workers, max_num_seqs=args.max_num_seqs,
+                        data_parallel_size=args.data_parallel_size,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,

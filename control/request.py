@@ -47,6 +47,9 @@ class Request:
     # The prefill since the last (re)admission has sampled: the request decodes from now on.
     prefilled: bool = False
     block_ids: list[int] = field(default_factory=list)
+    # Where it runs, chosen at arrival and never changed: worker index and lane within it.
+    worker: int = 0
+    lane: int = 0
     # Lane-local slot while RUNNING; the device row is lane * max_num_seqs + slot.
     slot: int | None = None
     # True once the worker has this request's device state (NewRequest sent, not released).

@@ -82,23 +82,45 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan(lane=self.lane, released_ids=self._released)
+        """One step of a lane that runs alone: its own policy picks the kind."""
+        has_decodes = self.has_decodes()
+        kind = self.policy.choose(self.wants_prefill(), has_decodes)
+        plan = self.plan(kind)
+        if kind is StepKind.PREFILL and not plan.prefill and has_decodes:
+            # Liveness: a prefill step that admits nothing (KV pressure) runs as decode, so
+            # finishing decodes free the blocks the prefill waits for.
+            plan = self.plan(StepKind.DECODE, carry=plan)
+        self.policy.record(plan.kind, has_decodes)
+        return plan
+
+    def wants_prefill(self) -> bool:
+        """Some prefill can run now: a partial prefill, or an admissible head of the queue.
+        (Moves requests that are not ready aside first.)"""
+        self._set_aside()
+        if any(r.is_prefilling for r in self.running):
+            return True
+        if not self.waiting or not self._free_slots:
+            return False
+        return self._admission(self.waiting[0], self.config.max_num_batched_tokens) is not None
+
+    def has_decodes(self) -> bool:
+        return any(not r.is_prefilling for r in self.running)
+
+    def plan(self, kind: StepKind, carry: StepPlan | None = None) -> StepPlan:
+        """This lane's slice of a step of the given kind (EMPTY if it has none of that kind).
+
+        `carry` is an earlier attempt at this step that scheduled nothing: its released ids
+        (finished and preempted requests) travel with the new plan.
+        """
+        plan = StepPlan(lane=self.lane, released_ids=(carry.released_ids if carry else []) + self._released)
         self._released = []
         self._set_aside()
-        has_decodes = any(not r.is_prefilling for r in self.running)
-        plan.kind = self.policy.choose(self._wants_prefill(), has_decodes)
-        if plan.kind is StepKind.PREFILL:
+        if kind is StepKind.PREFILL:
             self._fill_prefill(plan)
-            if not plan.prefill:
-                # Liveness: a prefill step that admits nothing (KV pressure) runs as decode, so
-                # finishing decodes free the blocks the prefill waits for.
-                plan.kind = StepKind.DECODE if has_decodes else StepKind.EMPTY
-        if plan.kind is StepKind.DECODE:
+        elif kind is StepKind.DECODE:
             self._fill_decode(plan)
-            if not plan.decode:
-                plan.kind = StepKind.EMPTY
-        self.policy.record(plan.kind, has_decodes)
-        # A request preempted while planning this step leaves its id in _released.
+        plan.kind = StepKind.PREFILL if plan.prefill else StepKind.DECODE if plan.decode else StepKind.EMPTY
+        # A request preempted while planning leaves its id in _released.
         plan.released_ids += self._released
         self._released = []
         return plan
@@ -113,13 +135,6 @@ class Scheduler:
                 self.waiting.extendleft(reversed(back))
         while self.waiting and not self.waiting[0].ready:
             self.skipped.append(self.waiting.popleft())
-
-    def _wants_prefill(self) -> bool:
-        if any(r.is_prefilling for r in self.running):
-            return True
-        if not self.waiting or not self._free_slots:
-            return False
-        return self._admission(self.waiting[0], self.config.max_num_batched_tokens) is not None
 
     def _admission(self, request: Request, budget: int) -> tuple[list[int], int, int] | None:
         """(prefix-cache hits, first chunk end, new blocks) to admit `request` now, or None."""

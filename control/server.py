@@ -47,24 +47,29 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def GetModelInfo(self, request: engine_pb2.ModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
         engine = self.engine
-        if engine.worker is None or engine.limits is None or engine.scheduler is None:
+        ready = [g for g in engine.groups if g.ready]
+        if not ready or engine.serving is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"the control plane is not ready: {engine.not_ready_reason}")
-        w = engine.worker
+        first = ready[0].description
+        lanes = [lane for g in ready for lane in g.group.lanes]
         return engine_pb2.ModelInfo(
-            model_path=w.model_path, architecture=w.architecture,
-            max_model_len=engine.limits.max_model_len, vocab_size=w.vocab_size,
-            block_size=w.block_size, num_blocks=w.num_blocks_per_lane,
-            max_num_seqs=engine.config.max_num_seqs, num_lanes=1)
+            model_path=first.model_path, architecture=first.architecture,
+            max_model_len=engine.serving.max_model_len, vocab_size=first.vocab_size,
+            block_size=first.block_size, num_blocks=sum(lane.pool.num_blocks for lane in lanes),
+            max_num_seqs=engine.config.max_num_seqs, num_lanes=len(lanes))
 
     async def GetServerInfo(self, request: engine_pb2.ServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> engine_pb2.ServerInfo:
         engine = self.engine
         info = engine_pb2.ServerInfo(protocol_version=PROTOCOL_VERSION, version=ttserve.__version__,
                                      ready=engine.ready)
-        worker = engine.worker
-        info.workers.add(address=engine.config.worker_address, ready=engine.ready,
-                         backend=worker.backend if worker else "", mesh=worker.device if worker else "")
+        for group in engine.groups:
+            d = group.description
+            info.workers.add(address=group.address, ready=group.ready,
+                             backend=d.backend if d else "", mesh=d.device if d else "",
+                             num_lanes=len(group.group.lanes) if group.group else 0,
+                             num_steps=group.num_steps)
         return info
 
 

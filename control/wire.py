@@ -42,7 +42,8 @@ def output_to_pb(request: Request) -> engine_pb2.RequestOutput:
     """The request's delta since its last output; advances its sent mark."""
     new = request.output_token_ids[request.num_sent_tokens:]
     out = engine_pb2.RequestOutput(request_id=request.request_id, new_token_ids=new,
-                                   finish_reason=_FINISH[request.finish_reason], error=request.error)
+                                   finish_reason=_FINISH[request.finish_reason], error=request.error,
+                                   worker=request.worker, lane=request.lane)
     if request.num_sent_tokens == 0:
         out.num_cached_tokens = request.num_cached_tokens
     if request.stop_token_id is not None:
@@ -69,6 +70,9 @@ class WorkerDescription:
     eos_token_ids: list[int]
     supports_chunked_prefill: bool
     supports_prefix_caching: bool
+    single_execute_lanes: bool = False
+    mixture_of_experts: bool = False
+    mrope: bool = False
     num_blocks_per_lane: int = 0
     block_size: int = 0
     prefill_buckets: list[int] = field(default_factory=list)
@@ -82,33 +86,42 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         max_position_embeddings=d.max_position_embeddings, eos_token_ids=list(d.eos_token_ids),
         supports_chunked_prefill=d.capabilities.supports_chunked_prefill,
         supports_prefix_caching=d.capabilities.supports_prefix_caching,
+        single_execute_lanes=d.capabilities.single_execute_lanes,
+        mixture_of_experts=d.mixture_of_experts, mrope=d.mrope,
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
         prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size)
 
 
-def step_batch_to_pb(step_id: int, plan: StepPlan, max_num_seqs: int) -> device_pb2.StepBatch:
-    batch = device_pb2.StepBatch(step_id=step_id, kind=_STEP_KIND[plan.kind],
-                                 released_request_ids=plan.released_ids)
-    for request in plan.new_requests:
-        s = request.sampling
-        sampling = device_pb2.DeviceSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
-        if s.seed is not None:
-            sampling.seed = s.seed
-        if s.min_tokens > len(request.output_token_ids):
-            sampling.min_tokens = s.min_tokens
-            blocked = s.stop_token_ids if s.ignore_eos else s.stop_token_ids | s.eos_token_ids
-            sampling.min_tokens_blocked_ids.extend(sorted(blocked))
-        batch.new_requests.add(request_id=request.request_id, lane=plan.lane,
-                               row=plan.lane * max_num_seqs + request.slot, sampling=sampling,
-                               num_output_tokens=len(request.output_token_ids))
-    for work in plan.prefill:
-        all_ids = work.request.all_token_ids
-        batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
-                          start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample)
-    for work in plan.decode:
-        batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
-                         position=work.position, new_block_ids=work.new_block_ids)
+def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan],
+                     max_num_seqs: int) -> device_pb2.StepBatch:
+    """The merged step batch of a lane group's slices (row = lane * max_num_seqs + slot)."""
+    batch = device_pb2.StepBatch(step_id=step_id, kind=_STEP_KIND[kind])
+    for plan in lanes:
+        batch.released_request_ids.extend(plan.released_ids)
+        for request in plan.new_requests:
+            batch.new_requests.append(_new_request_pb(request, plan.lane, max_num_seqs))
+        for work in plan.prefill:
+            all_ids = work.request.all_token_ids
+            batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
+                              start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample)
+        for work in plan.decode:
+            batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
+                             position=work.position, new_block_ids=work.new_block_ids)
     return batch
+
+
+def _new_request_pb(request: Request, lane: int, max_num_seqs: int) -> device_pb2.NewRequest:
+    s = request.sampling
+    sampling = device_pb2.DeviceSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    if s.seed is not None:
+        sampling.seed = s.seed
+    if s.min_tokens > len(request.output_token_ids):
+        sampling.min_tokens = s.min_tokens
+        blocked = s.stop_token_ids if s.ignore_eos else s.stop_token_ids | s.eos_token_ids
+        sampling.min_tokens_blocked_ids.extend(sorted(blocked))
+    return device_pb2.NewRequest(request_id=request.request_id, lane=lane,
+                                 row=lane * max_num_seqs + request.slot, sampling=sampling,
+                                 num_output_tokens=len(request.output_token_ids))
 
 
 @dataclass(slots=True)

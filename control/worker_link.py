@@ -10,7 +10,7 @@ from ttserve.grpc_service import MESSAGE_LIMITS
 from ttserve.protocol import CALL_METADATA, check_peer_version
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
-from .step import StepPlan
+from .lanes import GroupPlan
 from .wire import StepOutcome, WorkerDescription, description_from_pb, step_batch_to_pb, step_result_from_pb
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,12 @@ class WorkerLink:
         code = await self._stream.code()
         return f"worker at {self.address} went away ({code.name}: {await self._stream.details()})"
 
-    async def step(self, plan: StepPlan, max_num_seqs: int) -> StepOutcome:
+    async def step(self, plan: GroupPlan, max_num_seqs: int) -> StepOutcome:
         assert self._stream is not None, "open() the step stream first"
         step_id = self._next_step_id
         self._next_step_id += 1
         try:
-            await self._stream.write(step_batch_to_pb(step_id, plan, max_num_seqs))
+            await self._stream.write(step_batch_to_pb(step_id, plan.kind, plan.lanes, max_num_seqs))
             result = await self._stream.read()
         except grpc.aio.AioRpcError as e:
             self._stream = None

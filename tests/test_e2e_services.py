@@ -2,17 +2,16 @@
 start-up failures, a lost worker, and `ttserve up`."""
 from __future__ import annotations
 
-import queue
 import signal
 import subprocess
 import sys
-import threading
 
 import grpc
 import openai
 import pytest
 
 from stack import free_port, start_stack, start_worker, wait_until, http_ok
+from ttserve.client import EngineClient
 from ttserve.protocol import CALL_METADATA, METADATA_KEY, PROTOCOL_VERSION
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -27,41 +26,7 @@ def control(tmp_path_factory, smollm2):
     s.stop()
 
 
-class Session:
-    """A raw engine.proto session, as any gRPC client without a tokenizer would use it."""
-
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
-        self.outgoing: queue.Queue = queue.Queue()
-        self.incoming: queue.Queue = queue.Queue()
-        stream = engine_pb2_grpc.EngineStub(self.channel).Session(iter(self.outgoing.get, None),
-                                                                  metadata=CALL_METADATA)
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream) -> None:
-        try:
-            for message in stream:
-                self.incoming.put(message)
-        except grpc.RpcError:
-            pass  # closed by close()
-
-    def add(self, request_id: str, prompt: list[int], max_tokens: int, **sampling) -> None:
-        self.outgoing.put(engine_pb2.ClientMessage(add=engine_pb2.AddRequest(
-            request_id=request_id, prompt_token_ids=prompt, eos_token_ids=[2],
-            sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, **sampling))))
-
-    def abort(self, *ids: str) -> None:
-        self.outgoing.put(engine_pb2.ClientMessage(abort=engine_pb2.AbortRequests(request_ids=ids)))
-
-    def next(self, timeout: float = 60) -> engine_pb2.ServerMessage:
-        return self.incoming.get(timeout=timeout)
-
-    def close(self) -> None:
-        self.outgoing.put(None)
-        self.channel.close()
-
-
-def collect(session: Session, ids: set[str]) -> tuple[dict[str, list[int]], dict[str, int], list[int]]:
+def collect(session: EngineClient, ids: set[str]) -> tuple[dict[str, list[int]], dict[str, int], list[int]]:
     """Run until every id finished: tokens per id, finish reasons, and outputs-per-message."""
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     finished: dict[str, int] = {}
@@ -80,7 +45,7 @@ def collect(session: Session, ids: set[str]) -> tuple[dict[str, list[int]], dict
 
 
 def test_tokenless_grpc_client_gets_outputs_batched_per_step(control):
-    session = Session(control.control_address)
+    session = EngineClient(control.control_address)
     prompt = [1, 504, 3458, 282, 4649, 314]
     for i in range(3):
         session.add(f"r{i}", prompt, 10, ignore_eos=True)
@@ -93,7 +58,7 @@ def test_tokenless_grpc_client_gets_outputs_batched_per_step(control):
 
 
 def test_admission_refuses_with_a_message(control):
-    session = Session(control.control_address)
+    session = EngineClient(control.control_address)
     session.add("long", [5] * 9000, 4)
     session.add("zero", [5], 0)
     session.add("vocab", [10**6], 4)
@@ -111,7 +76,7 @@ def test_admission_refuses_with_a_message(control):
 
 
 def test_abort_stops_a_request_and_its_slot_is_reused(control):
-    session = Session(control.control_address)
+    session = EngineClient(control.control_address)
     session.add("a", [1, 2, 3], 5000, ignore_eos=True)
     assert session.next().admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED
     assert session.next().outputs.outputs[0].request_id == "a"
@@ -163,7 +128,8 @@ def test_model_info_reports_limits(control):
      "decode_only"),
     ("ttserve.worker", ["--model", "smollm2", "--additional-config", '{"tt": {"no_such_key": 1}}'],
      "no_such_key"),
-    ("ttserve.control", ["--data-parallel-size", "2"], "--data-parallel-size"),
+    ("ttserve.control", ["--data-parallel-size", "0"], "--data-parallel-size"),
+    ("ttserve.control", ["--max-num-seqs", "0"], "per-lane"),
     ("ttserve.control", ["--tensor-parallel-size", "2"], "MESH_DEVICE"),
 ])
 def test_bad_startup_exits_nonzero_with_one_clear_line(module, args, words):

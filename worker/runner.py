@@ -99,6 +99,16 @@ class ModelRunner:
         return json.loads(path.read_text()) if path.exists() else {}
 
     @property
+    def is_mixture_of_experts(self) -> bool:
+        c = self.hf_config
+        return any(int(c.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+    @property
+    def uses_mrope(self) -> bool:
+        rope = self.hf_config.get("rope_scaling") or self.hf_config.get("rope_parameters") or {}
+        return "mrope_section" in rope or rope.get("type") == "mrope" or rope.get("rope_type") == "mrope"
+
+    @property
     def capabilities(self) -> dict[str, bool]:
         return dict(self.model_cls.model_capabilities)
 

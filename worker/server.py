@@ -39,8 +39,10 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 supports_prefix_caching=caps.get("supports_prefix_caching", False),
                 supports_async_decode=caps.get("supports_async_decode", False),
                 supports_sample_on_device=caps.get("supports_sample_on_device", False),
-                supports_chunked_prefill=caps.get("supports_chunked_prefill", False)),
-            eos_token_ids=r.eos_token_ids, ready=r.config is not None)
+                supports_chunked_prefill=caps.get("supports_chunked_prefill", False),
+                single_execute_lanes=caps.get("single_execute_lanes", False)),
+            eos_token_ids=r.eos_token_ids, ready=r.config is not None,
+            mixture_of_experts=r.is_mixture_of_experts, mrope=r.uses_mrope)
         if r.config is not None and r.layout is not None:
             d.config.CopyFrom(config_to_pb(r.config))
             d.num_blocks_per_lane = r.layout.num_blocks_per_lane

@@ -1,0 +1,63 @@
+"""A lane group: the lanes one device program executes together, stepped as one.
+
+Each lane is a Scheduler with its own queues, slots and block pool (lane-local block ids). Every
+step the group picks one shared mode: if any lane can prefill, all lanes run prefill and idle
+lanes contribute empty slices; otherwise all run decode. The lanes' slices merge into one step
+batch (row = lane * max_num_seqs + slot, stable while a request runs) and the results split back
+per lane by request id, all in this process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .phase import PhasePolicy
+from .request import Request
+from .scheduler import Scheduler
+from .step import StepKind, StepPlan
+
+
+@dataclass(slots=True)
+class GroupPlan:
+    """One step of a lane group. Invariant: every lane slice is of `kind` or EMPTY."""
+    kind: StepKind
+    lanes: list[StepPlan]
+
+    @property
+    def has_work(self) -> bool:
+        return self.kind is not StepKind.EMPTY or any(p.released_ids for p in self.lanes)
+
+
+class LaneGroup:
+    def __init__(self, lanes: list[Scheduler], policy: PhasePolicy | None = None) -> None:
+        assert lanes and len({lane.config.max_num_seqs for lane in lanes}) == 1
+        self.lanes = lanes
+        self.policy = policy or PhasePolicy()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.lanes[0].config.max_num_seqs
+
+    @property
+    def has_work(self) -> bool:
+        return any(lane.has_work for lane in self.lanes)
+
+    def schedule(self) -> GroupPlan:
+        has_decodes = any(lane.has_decodes() for lane in self.lanes)
+        wants_prefill = any([lane.wants_prefill() for lane in self.lanes])  # all set aside
+        kind = self.policy.choose(wants_prefill, has_decodes)
+        plans = [lane.plan(kind) for lane in self.lanes]
+        if kind is StepKind.PREFILL and not any(p.prefill for p in plans) and has_decodes:
+            # Liveness: a forced prefill that merged to zero tokens (KV pressure) runs as decode
+            # for the whole group, carrying the ids finished or preempted by the attempt.
+            plans = [lane.plan(StepKind.DECODE, carry=p) for lane, p in zip(self.lanes, plans)]
+            kind = StepKind.DECODE
+        if not any(p.prefill or p.decode for p in plans):
+            kind = StepKind.EMPTY
+        self.policy.record(kind, has_decodes)
+        return GroupPlan(kind, plans)
+
+    def update(self, plan: GroupPlan, sampled: dict[str, int]) -> list[Request]:
+        changed: list[Request] = []
+        for lane, lane_plan in zip(self.lanes, plan.lanes):
+            changed += lane.update(lane_plan, sampled)
+        return changed

@@ -1,0 +1,191 @@
+"""One device worker and the lane group it executes: connect, check the topology, warm up, step,
+and after a failure give back what it held and reconnect."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from .blocks import BlockPool
+from .lanes import LaneGroup
+from .phase import PhasePolicy
+from .request import Request
+from .scheduler import Scheduler, SchedulerConfig
+from .wire import WorkerDescription
+from .worker_link import WorkerError, WorkerLink
+
+log = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """A configuration the workers cannot serve; the control plane exits with this message."""
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    workers: tuple[str, ...]
+    max_num_seqs: int = 32            # per lane
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity
+    data_parallel_size: int = 1       # lanes per worker
+    enable_prefix_caching: bool = False
+    max_consecutive_prefills: int = 2
+    reconnect_interval_s: float = 1.0
+
+
+@dataclass(slots=True)
+class ServingLimits:
+    """What every group must honour, fixed by the first worker that comes up."""
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+
+
+Publish = Callable[[int, list[Request]], None]       # step id, requests with news
+Fail = Callable[[list[Request], str], None]          # requests lost with a worker, why
+
+
+class WorkerGroup:
+    def __init__(self, index: int, address: str, config: EngineConfig, publish: Publish,
+                 fail: Fail) -> None:
+        self.index = index
+        self.address = address
+        self.config = config
+        self._publish = publish
+        self._fail = fail
+        self.group: LaneGroup | None = None
+        self.description: WorkerDescription | None = None
+        self.not_ready_reason = f"connecting to the worker at {address}"
+        self.num_steps = 0
+        self._wake = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self.group is not None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self, limits: Callable[[WorkerDescription, int], ServingLimits]) -> None:
+        """Serve until cancelled. `limits(description, lane capacity)` fixes or checks the
+        serving limits against this worker (raising StartupError or WorkerError)."""
+        while True:
+            link = WorkerLink(self.address)
+            try:
+                await self._connect(link, limits)
+                await self._step_loop(link)
+            except WorkerError as e:
+                self.not_ready_reason = str(e)
+                log.error("%s; reconnecting", e)
+                self._give_back(str(e))
+            finally:
+                self.group = None
+                await link.close()
+            await asyncio.sleep(self.config.reconnect_interval_s)
+
+    def _give_back(self, reason: str) -> None:
+        if self.group is None:
+            return
+        lost = [r for lane in self.group.lanes for r in (*lane.running, *lane.waiting, *lane.skipped)]
+        self._fail(lost, reason)
+
+    async def _connect(self, link: WorkerLink, limits: Callable[[WorkerDescription, int], ServingLimits]) -> None:
+        while True:
+            try:
+                described = await link.describe()
+                break
+            except WorkerError as e:
+                self.not_ready_reason = str(e)
+                log.info("waiting for worker: %s", e)
+                await asyncio.sleep(self.config.reconnect_interval_s)
+        num_lanes = self._lanes_for(described)
+        max_model_len = self.config.max_model_len or described.max_position_embeddings
+        if max_model_len > described.max_position_embeddings:
+            raise StartupError(
+                f"--max-model-len {max_model_len} exceeds the model's limit of "
+                f"{described.max_position_embeddings} tokens (max_position_embeddings of "
+                f"{described.model_path})")
+        batched = self.config.max_num_batched_tokens
+        if not described.supports_chunked_prefill and batched < max_model_len:
+            log.warning("the model cannot chunk prefills: raising max_num_batched_tokens from "
+                        "%d to max_model_len %d", batched, max_model_len)
+            batched = max_model_len
+        self.not_ready_reason = f"worker at {link.address} is warming up"
+        warm = await link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched)
+        serving = limits(warm, warm.num_blocks_per_lane * warm.block_size)
+        await link.open()
+        self.description = warm
+        self.group = self._build_group(warm, num_lanes, serving.max_model_len, batched)
+
+    def _lanes_for(self, d: WorkerDescription) -> int:
+        """The topology rules, checked before the worker touches its device."""
+        dp = self.config.data_parallel_size
+        if d.single_execute_lanes:
+            if d.mrope and dp > 1:
+                raise StartupError(f"{d.architecture} uses request-specific RoPE (mRoPE), which lane "
+                                   f"mode cannot serve: --data-parallel-size {dp} must be 1")
+            return dp
+        if dp != 1:
+            raise StartupError(
+                f"--data-parallel-size {dp}: {d.architecture} on the worker at {d.address} runs lanes "
+                "as independent groups; start one worker per lane (each on its own submesh with "
+                "TT_VISIBLE_DEVICES) and pass each with --worker")
+        if d.mixture_of_experts and len(self.config.workers) > 1:
+            raise StartupError(f"{d.architecture} is a mixture-of-experts model: data parallelism over "
+                               f"independent groups ({len(self.config.workers)} workers) is refused")
+        return 1
+
+    def _build_group(self, warm: WorkerDescription, num_lanes: int, max_model_len: int,
+                     batched: int) -> LaneGroup:
+        c = self.config
+        caching = c.enable_prefix_caching
+        if caching and not warm.supports_prefix_caching:
+            log.warning("--enable-prefix-caching: %s on the worker at %s does not support prefix "
+                        "caching; serving without it", warm.architecture, warm.address)
+            caching = False
+        if warm.supports_chunked_prefill and batched < warm.block_size:
+            log.warning("max_num_batched_tokens raised from %d to the block size %d: a prefill "
+                        "chunk holds at least one block", batched, warm.block_size)
+            batched = warm.block_size
+        config = SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
+            chunked_prefill=warm.supports_chunked_prefill, max_prefill_batch=warm.max_prefill_batch_size,
+            max_prefill_len=max(warm.prefill_buckets, default=0))
+        lanes = [Scheduler(config, BlockPool(warm.num_blocks_per_lane, warm.block_size, caching), lane=i,
+                           policy=PhasePolicy(c.max_consecutive_prefills)) for i in range(num_lanes)]
+        log.info("lane group %d: worker %s [%s, %s] runs %d lane(s) x %d seqs %s; %d blocks x %d "
+                 "tokens per lane; max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, "
+                 "prefix caching %s, prefill lengths %s", self.index, warm.address, warm.backend,
+                 warm.device, num_lanes, c.max_num_seqs,
+                 "as one program (single-execute)" if warm.single_execute_lanes else "(independent group)",
+                 warm.num_blocks_per_lane, warm.block_size, max_model_len, batched,
+                 "on" if config.chunked_prefill else "off", "on" if caching else "off",
+                 warm.prefill_buckets or "any")
+        return LaneGroup(lanes, PhasePolicy(c.max_consecutive_prefills))
+
+    async def _step_loop(self, link: WorkerLink) -> None:
+        group = self.group
+        assert group is not None
+        ended = asyncio.ensure_future(link.ended())
+        try:
+            while True:
+                plan = group.schedule() if group.has_work else None
+                if plan is None or not plan.has_work:
+                    # Nothing can run: only arrivals, aborts or grammars finishing change that.
+                    await self._idle(ended)
+                    continue
+                outcome = await link.step(plan, group.max_num_seqs)
+                self.num_steps += 1
+                self._publish(outcome.step_id, group.update(plan, outcome.sampled))
+        finally:
+            ended.cancel()
+
+    async def _idle(self, ended: asyncio.Future[str]) -> None:
+        """Wait for an arrival or abort; a worker lost meanwhile raises WorkerError."""
+        self._wake.clear()
+        woken = asyncio.ensure_future(self._wake.wait())
+        await asyncio.wait({woken, ended}, return_when=asyncio.FIRST_COMPLETED)
+        woken.cancel()
+        if ended.done():
+            raise WorkerError(ended.result())

@@ -1,0 +1,146 @@
+"""Lane groups and placement: one shared mode per step, empty slices for idle lanes, stable
+rows, exact per-lane accounting, liveness, least-loaded placement that never moves a request."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ttserve.control.blocks import BlockPool
+from ttserve.control.lanes import LaneGroup
+from ttserve.control.phase import PhasePolicy
+from ttserve.control.placement import Candidate, choose_lane
+from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams
+from ttserve.control.scheduler import Scheduler, SchedulerConfig
+from ttserve.control.step import StepKind
+from ttserve.control.wire import step_batch_to_pb
+
+EOS = 2
+
+
+def make(rid: str, prompt_len: int, max_tokens: int = 4, first: int = 10) -> Request:
+    return Request(rid, [first + (j % 5) for j in range(prompt_len)],
+                   SamplingParams(max_tokens=max_tokens, eos_token_ids=frozenset({EOS})))
+
+
+def group(num_lanes: int = 4, num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 2,
+          budget: int = 16, caching: bool = False, bound: int = 2) -> LaneGroup:
+    config = SchedulerConfig(max_num_seqs, budget, min(num_blocks * block_size, 64))
+    return LaneGroup([Scheduler(config, BlockPool(num_blocks, block_size, caching), lane=i)
+                      for i in range(num_lanes)], PhasePolicy(bound))
+
+
+def place(g: LaneGroup, request: Request) -> Scheduler:
+    _, lane = choose_lane([Candidate(0, i, lane) for i, lane in enumerate(g.lanes)], request)
+    request.lane = lane.lane
+    lane.add(request)
+    return lane
+
+
+def step(g: LaneGroup, token: int = 7):
+    plan = g.schedule()
+    sampled = {w.request.request_id: token for p in plan.lanes for w in p.prefill if w.sample}
+    sampled |= {w.request.request_id: token for p in plan.lanes for w in p.decode}
+    g.update(plan, sampled)
+    return plan
+
+
+def test_prefill_in_one_lane_makes_every_lane_prefill_with_empty_slices():
+    g = group()
+    place(g, make("a", 3, max_tokens=10))
+    step(g)                                  # a prefilled on lane 0; it decodes from now on
+    assert step(g).kind is StepKind.DECODE
+    r = make("b", 3)
+    assert place(g, r) is g.lanes[1]
+    plan = step(g)
+    assert plan.kind is StepKind.PREFILL
+    assert [p.kind for p in plan.lanes] == [StepKind.EMPTY, StepKind.PREFILL, StepKind.EMPTY, StepKind.EMPTY]
+
+
+def test_merged_batch_rows_are_lane_times_capacity_plus_slot():
+    g = group(max_num_seqs=2)
+    for i in range(6):
+        place(g, make(str(i), 3))
+    plan = g.schedule()
+    batch = step_batch_to_pb(1, plan.kind, plan.lanes, g.max_num_seqs)
+    rows = {n.request_id: (n.lane, n.row) for n in batch.new_requests}
+    assert rows == {"0": (0, 0), "1": (1, 2), "2": (2, 4), "3": (3, 6), "4": (0, 1), "5": (1, 3)}
+
+
+def test_placement_prefers_least_loaded_weighting_waiting_and_ties_to_lowest():
+    lanes = [Scheduler(SchedulerConfig(4, 16, 64), BlockPool(16, 4), lane=i) for i in range(3)]
+    cands = [Candidate(0, i, lane) for i, lane in enumerate(lanes)]
+    assert choose_lane(cands, make("x", 3))[1] is lanes[0]
+    lanes[0].running.extend([make("r1", 3), make("r2", 3), make("r3", 3)])  # score 3
+    lanes[1].waiting.append(make("w", 3))                                  # score 4
+    assert choose_lane(cands, make("y", 3))[1] is lanes[2]
+    lanes[2].running.extend([make("r4", 3), make("r5", 3), make("r6", 3), make("r7", 3)])  # 4
+    assert choose_lane(cands, make("z", 3))[1] is lanes[0]
+
+
+def test_placement_prefers_a_lane_holding_the_prefix_among_near_equal_loads():
+    g = group(num_lanes=2, caching=True, block_size=4)
+    first = make("a", 13, max_tokens=1)
+    g.lanes[1].add(first)                    # lane 1 computes and caches the prefix
+    while g.has_work:
+        step(g)
+    g.lanes[1].running.append(make("busy", 3))  # lane 1 is now slightly busier
+    assert place(g, make("b", 13)) is g.lanes[1]
+    assert place(g, make("c", 3, first=40)) is g.lanes[0]  # no shared prefix: least loaded
+
+
+def test_forced_prefill_that_merges_to_zero_tokens_runs_the_whole_group_as_decode():
+    g = group(num_lanes=2, num_blocks=4, block_size=4, budget=4)
+    a = make("a", 4, max_tokens=3)
+    g.lanes[0].add(a)
+    step(g)                                  # a decodes on lane 0
+    b = make("b", 12, max_tokens=1)
+    g.lanes[1].add(b)
+    step(g)                                  # b's first chunk on lane 1
+    g.lanes[1].pool.allocate(g.lanes[1].pool.num_free)  # lane 1's pool is exhausted
+    plan = g.schedule()
+    assert plan.kind is StepKind.DECODE
+    assert [p.kind for p in plan.lanes] == [StepKind.DECODE, StepKind.EMPTY]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.booleans(), st.integers(0, 8)),
+                min_size=1, max_size=16),
+       st.integers(1, 4), st.integers(6, 16), st.integers(1, 3), st.booleans(), st.data())
+def test_group_invariants_under_random_traffic(specs, num_lanes, num_blocks, max_num_seqs, caching, data):
+    g = group(num_lanes, num_blocks, 4, max_num_seqs, budget=12, caching=caching)
+    max_model_len = g.lanes[0].config.max_model_len
+    pending = [(arrive, make(str(i), min(p, max_model_len - 1), t, first=10 + i % 3), abort)
+               for i, (p, t, abort, arrive) in enumerate(specs)]
+    everyone = [r for _, r, _ in pending]
+    slots: dict[str, int] = {}
+    steps = 0
+    while pending or g.has_work:
+        steps += 1
+        assert steps < 3000, "no progress"
+        for entry in [e for e in pending if e[0] <= steps]:
+            pending.remove(entry)
+            lane = place(g, entry[1])
+            assert entry[1].lane == lane.lane
+        plan = g.schedule()
+        for lane_plan in plan.lanes:
+            assert lane_plan.kind in (plan.kind, StepKind.EMPTY), "lanes in different modes"
+            assert not (lane_plan.prefill and lane_plan.decode)
+        if plan.kind is StepKind.EMPTY:
+            assert not any(lane.running for lane in g.lanes), "empty step while requests run"
+        for lane, lane_plan in zip(g.lanes, plan.lanes):
+            for w in lane_plan.prefill + lane_plan.decode:
+                assert w.request.lane == lane.lane, "a request moved lanes"
+        token = data.draw(st.sampled_from([7, 7, 7, EOS]))
+        sampled = {w.request.request_id: token for p in plan.lanes for w in p.prefill if w.sample}
+        sampled |= {w.request.request_id: token for p in plan.lanes for w in p.decode}
+        g.update(plan, sampled)
+        for lane in g.lanes:
+            lane.pool.check()
+            assert len({b for r in lane.running for b in r.block_ids}) == lane.pool.num_used
+            for r in lane.running:   # rows stable while running
+                assert slots.setdefault(r.request_id + str(r.num_preemptions), r.slot) == r.slot
+        for r, spec in zip(everyone, specs):
+            if spec[2] and r.status is RequestStatus.RUNNING and r.output_token_ids:
+                g.lanes[r.lane].finish(r, FinishReason.ABORT)
+    assert all(r.is_finished for r in everyone)
+    assert all(lane.pool.num_free == lane.pool.num_blocks for lane in g.lanes)

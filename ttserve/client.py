@@ -1,0 +1,92 @@
+"""A token-level client of the control plane (engine.proto), for tools, tests and benchmarks.
+
+    client = EngineClient("127.0.0.1:50051")
+    client.add("r1", [1, 2, 3], max_tokens=16)
+    result = client.collect({"r1"})["r1"]   # tokens, finish reason, worker and lane
+
+Blocking and thread-backed: one gRPC Session stream, messages read on a background thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from .protocol import CALL_METADATA
+from .v1 import engine_pb2, engine_pb2_grpc
+
+
+class Refused(RuntimeError):
+    """The control plane refused a request at admission."""
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: int = 0
+    error: str = ""
+    placements: set[tuple[int, int]] = field(default_factory=set)  # (worker, lane) per output
+
+
+class EngineClient:
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = engine_pb2_grpc.EngineStub(self.channel)
+        self._outgoing: queue.Queue = queue.Queue()
+        self.incoming: queue.Queue = queue.Queue()
+        stream = self.stub.Session(iter(self._outgoing.get, None), metadata=CALL_METADATA)
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        try:
+            for message in stream:
+                self.incoming.put(message)
+        except grpc.RpcError:
+            pass  # closed
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, eos_token_ids=(2,),
+            **sampling) -> None:
+        self._outgoing.put(engine_pb2.ClientMessage(add=engine_pb2.AddRequest(
+            request_id=request_id, prompt_token_ids=prompt, eos_token_ids=list(eos_token_ids),
+            sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, **sampling))))
+
+    def abort(self, *request_ids: str) -> None:
+        self._outgoing.put(engine_pb2.ClientMessage(abort=engine_pb2.AbortRequests(request_ids=request_ids)))
+
+    def next(self, timeout: float = 120) -> engine_pb2.ServerMessage:
+        return self.incoming.get(timeout=timeout)
+
+    def collect(self, request_ids: set[str], timeout: float = 600) -> dict[str, Result]:
+        """Outputs until every id has finished; raises Refused for a refused one. Messages for
+        other ids are dropped."""
+        results = {rid: Result() for rid in request_ids}
+        unfinished = set(request_ids)
+        while unfinished:
+            message = self.next(timeout)
+            if message.HasField("admission"):
+                a = message.admission
+                if a.request_id in results and a.verdict != engine_pb2.Admission.VERDICT_ACCEPTED:
+                    raise Refused(f"{a.request_id}: {a.message}")
+                continue
+            for out in message.outputs.outputs:
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids += out.new_token_ids
+                result.placements.add((out.worker, out.lane))
+                if out.finish_reason:
+                    result.finish_reason, result.error = out.finish_reason, out.error
+                    unfinished.discard(out.request_id)
+        return results
+
+    def server_info(self) -> engine_pb2.ServerInfo:
+        return self.stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA, timeout=10)
+
+    def model_info(self) -> engine_pb2.ModelInfo:
+        return self.stub.GetModelInfo(engine_pb2.ModelInfoRequest(), metadata=CALL_METADATA, timeout=10)
+
+    def close(self) -> None:
+        self._outgoing.put(None)
+        self.channel.close()
