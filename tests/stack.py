@@ -96,7 +96,7 @@ def control_ready(address: str) -> bool:
     with grpc.insecure_channel(address) as channel:
         info = engine_pb2_grpc.EngineStub(channel).GetServerInfo(
             engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA, timeout=2)
-        return info.ready
+        return info.ready and all(w.ready for w in info.workers)
 
 
 def start_worker(tmp: Path, model: str, port: int | None = None, *extra: str) -> Service:
@@ -106,14 +106,17 @@ def start_worker(tmp: Path, model: str, port: int | None = None, *extra: str) ->
 
 
 def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
-                worker_flags: tuple[str, ...] = (), gateway: bool = True) -> Stack:
-    """Worker, control plane and (optionally) gateway as separate processes."""
-    worker_port, control_port = free_port(), free_port()
+                worker_flags: tuple[str, ...] = (), gateway: bool = True, workers: int = 1) -> Stack:
+    """Workers, a control plane and (optionally) a gateway, each its own process."""
+    control_port = free_port()
+    worker_ports = [free_port() for _ in range(workers)]
     stack = Stack(control_address=f"127.0.0.1:{control_port}",
-                  worker_address=f"127.0.0.1:{worker_port}")
-    stack.services.append(start_worker(tmp, model, worker_port, *worker_flags))
-    stack.services.append(Service("control", ["ttserve.control", "--port", str(control_port), "--worker",
-                                              stack.worker_address, *control_flags],
+                  worker_address=f"127.0.0.1:{worker_ports[0]}")
+    for port in worker_ports:
+        stack.services.append(start_worker(tmp, model, port, *worker_flags))
+    worker_args = [arg for port in worker_ports for arg in ("--worker", f"127.0.0.1:{port}")]
+    stack.services.append(Service("control", ["ttserve.control", "--port", str(control_port), *worker_args,
+                                              *control_flags],
                                   tmp / f"control-{control_port}.log").start())
     try:
         wait_until(lambda: control_ready(stack.control_address), 300, "the control plane to be ready", stack)

@@ -1,0 +1,92 @@
+"""The same workload on three topologies: 1 lane, a 4-lane group in one worker, 2 workers.
+
+Each topology gets the same total capacity (16 rows) and the same 16 greedy requests of 64
+tokens, driven token-level through the control plane (no gateway). Reported: output tokens/s,
+device steps per worker, and the ratio of tokens/s to the 1-lane run measured in this command.
+On a CPU the workers share two cores, so this shows the system's overheads and step counts,
+not device scaling.
+
+    python benchmarks/lanes.py [--model smollm2] [--max-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+
+from ttserve.client import EngineClient
+
+TOPOLOGIES = {
+    "1 lane x 16": dict(workers=1, control=["--max-num-seqs", "16"]),
+    "4-lane group x 4": dict(workers=1, control=["--data-parallel-size", "4", "--max-num-seqs", "4"]),
+    "2 workers x 8": dict(workers=2, control=["--max-num-seqs", "8"]),
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _measure(model: str, workers: int, control: list[str], max_tokens: int) -> dict:
+    worker_ports = [_port() for _ in range(workers)]
+    control_port = _port()
+    procs = [subprocess.Popen([sys.executable, "-m", "ttserve.worker", "--model", model, "--port", str(p),
+                               "--kv-cache-memory-bytes", str(512 << 20)], stderr=subprocess.DEVNULL)
+             for p in worker_ports]
+    procs.append(subprocess.Popen([sys.executable, "-m", "ttserve.control", "--port", str(control_port),
+                                   *[a for p in worker_ports for a in ("--worker", f"127.0.0.1:{p}")], *control],
+                                  stderr=subprocess.DEVNULL))
+    address = f"127.0.0.1:{control_port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                info = EngineClient(address).server_info()
+                if all(w.ready for w in info.workers):
+                    break
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"topology {control} did not come up")
+            time.sleep(0.5)
+        client = EngineClient(address)
+        client.add("warm", [1, 2, 3], 2)
+        client.collect({"warm"})
+        before = [w.num_steps for w in client.server_info().workers]
+        start = time.perf_counter()
+        for i in range(16):
+            client.add(f"r{i}", [1, 504, 3458, 282, 100 + i], max_tokens, ignore_eos=True)
+        results = client.collect({f"r{i}" for i in range(16)})
+        wall = time.perf_counter() - start
+        steps = [w.num_steps - b for w, b in zip(client.server_info().workers, before)]
+        client.close()
+        return {"output_tokens_per_s": sum(len(r.token_ids) for r in results.values()) / wall,
+                "steps_per_worker": steps}
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    report = {name: _measure(args.model, t["workers"], t["control"], args.max_tokens)
+              for name, t in TOPOLOGIES.items()}
+    base = report["1 lane x 16"]["output_tokens_per_s"]
+    for entry in report.values():
+        entry["ratio_vs_1_lane"] = round(entry["output_tokens_per_s"] / base, 3)
+        entry["output_tokens_per_s"] = round(entry["output_tokens_per_s"], 1)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
