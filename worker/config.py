@@ -31,14 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV cache budget over all lanes, bytes")
     g.add_argument("--additional-config", default=None,
                    help='device options, e.g. \'{"tt": {"trace_mode": "all"}}\'')
+    g.add_argument("--sim-profile", default="galaxy-llama-3.3-70b",
+                   help="step-time profile of --backend sim (see ttserve.worker.sim.PROFILES)")
 
 
 def choose_backend(requested: str) -> tuple[str, str]:
     """The backend to run and why."""
-    if requested == "torch":
-        return "torch", "requested"
-    if requested in ("ttnn", "sim"):
-        raise StartupError(f"--backend {requested} is not available in this release; use --backend torch")
+    if requested in ("torch", "sim"):
+        return requested, "requested"
+    if requested == "ttnn":
+        raise StartupError("--backend ttnn is not available in this release; use --backend torch or sim")
     if importlib.util.find_spec("ttnn") is None:
         return "torch", "ttnn is not installed"
     return "torch", "the ttnn backend is not available in this release"
@@ -50,8 +52,9 @@ def build_service(args: argparse.Namespace):
     from .model_prepare import ModelPrepareError, resolve_model
     from .options import OptionError, parse_additional_config
     from .registry import UnknownArchitecture, reference_models, resolve
-    from .runner import ModelRunner
+    from .runner import DeviceOptions, ModelRunner
     from .server import DeviceService
+    from .sim import PROFILES, SimModel
 
     try:
         options = parse_additional_config(args.additional_config)
@@ -64,13 +67,24 @@ def build_service(args: argparse.Namespace):
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise StartupError("--device cuda: torch sees no CUDA device on this host")
+        device_options = DeviceOptions.from_tt(options, backend_traces=False)
+        device_name = str(device)
+        if backend == "sim":
+            profile = PROFILES.get(args.sim_profile)
+            if profile is None:
+                raise StartupError(f"--sim-profile {args.sim_profile} is unknown; profiles: "
+                                   f"{', '.join(sorted(PROFILES))}")
+            model_cls = SimModel.for_profile(profile)
+            device_name = f"sim {profile.name} ({profile.description})"
+            device_options = DeviceOptions.from_tt(options, backend_traces=True,
+                                                   kv_tokens_per_lane=profile.kv_tokens_per_lane)
     except (OptionError, ModelPrepareError, UnknownArchitecture, StartupError, RuntimeError) as e:
         raise StartupError(str(e)) from e
     log.info("backend %s (%s); model %s (%s) on %s; tt options %s", backend, why, model_path,
-             architecture, device, options or "none")
-    runner = ModelRunner(model_path, model_cls, architecture, device,
-                         getattr(torch, _DTYPES[args.dtype]), args.block_size, args.kv_cache_memory_bytes)
-    return DeviceService(runner, backend, str(device))
+             architecture, device_name, options or "none")
+    runner = ModelRunner(model_path, model_cls, architecture, device, getattr(torch, _DTYPES[args.dtype]),
+                         args.block_size, args.kv_cache_memory_bytes, device_options)
+    return DeviceService(runner, backend, device_name)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
-from .sampling import SamplingBatch
+from .sampling import SamplingBatch, sample
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,33 @@ class RequestState:
 
 
 @dataclass(slots=True, frozen=True)
+class DeviceOptions:
+    """How the runner drives the device (the `tt` options plus what the backend can do)."""
+    trace_mode: str = "all"                   # all | decode_only | none
+    sample_on_device_mode: str | None = None  # all | decode_only; None = host sampling
+    always_compat_sampling: bool = False
+    enable_model_warmup: bool = True
+    backend_traces: bool = False              # the backend captures traces (ttnn, sim)
+    kv_tokens_per_lane: int | None = None     # KV budget fixed by the device, not by bytes
+
+    @classmethod
+    def from_tt(cls, tt: dict, backend_traces: bool, kv_tokens_per_lane: int | None = None) -> "DeviceOptions":
+        return cls(trace_mode=tt.get("trace_mode", "all"), sample_on_device_mode=tt.get("sample_on_device_mode"),
+                   always_compat_sampling=tt.get("always_compat_sampling", False),
+                   enable_model_warmup=tt.get("enable_model_warmup", True),
+                   backend_traces=backend_traces, kv_tokens_per_lane=kv_tokens_per_lane)
+
+    def traced(self, kind: str) -> bool:
+        if not self.backend_traces:
+            return False  # eager torch: the same padded shapes, no capture
+        return self.trace_mode == "all" or (self.trace_mode == "decode_only" and kind == "decode")
+
+    def device_sampling(self, kind: str) -> bool:
+        mode = self.sample_on_device_mode
+        return not self.always_compat_sampling and (mode == "all" or (mode == "decode_only" and kind == "decode"))
+
+
+@dataclass(slots=True, frozen=True)
 class KvLayout:
     num_blocks_per_lane: int
     block_size: int
@@ -56,7 +83,9 @@ class KvLayout:
 
 class ModelRunner:
     def __init__(self, model_path: Path, model_cls: type, architecture: str, device: torch.device,
-                 dtype: torch.dtype, block_size: int, kv_cache_bytes: int) -> None:
+                 dtype: torch.dtype, block_size: int, kv_cache_bytes: int,
+                 options: DeviceOptions | None = None) -> None:
+        self.options = options or DeviceOptions()
         self.model_path = model_path
         self.model_cls = model_cls
         self.architecture = architecture
@@ -131,12 +160,35 @@ class ModelRunner:
                  self.layout.head_dim)
         self.kv_cache = self.model.allocate_kv_cache(shape, self.dtype, self.layout.num_layers)
         progress("allocate", 1, 1, "KV cache allocated")
+        self._warm_up(config, progress)
         rows = config.num_lanes * config.max_num_seqs
         max_blocks = -(-config.max_model_len // self.block_size)
         # Persistent page table, one row per device row; rows of released requests go stale but
         # are never read: decode reads only rows with a position, prefill only its own rows.
         self._page_table = torch.zeros(rows, max_blocks, dtype=torch.int32)
         self.config = config
+
+    def _warm_up(self, config: ServingConfig, progress: Progress) -> None:
+        """Compile every shape untraced first, then capture the traced ones, so no program
+        cache allocation happens while a trace is live."""
+        if not self.options.enable_model_warmup:
+            progress("compile", 0, 0, "warmup disabled (tt.enable_model_warmup=false)")
+            return
+        passes = [("compile", False)]
+        if self.options.traced("prefill") or self.options.traced("decode"):
+            passes.append(("capture", True))
+        for phase, trace in passes:
+            progress(phase, 0, 2, "prefill shapes")
+            self.model.warmup_model_prefill(kv_cache=self.kv_cache, enable_trace=trace and self.options.traced("prefill"))
+            progress(phase, 1, 2, "decode shape")
+            self.model.warmup_model_decode(kv_cache=self.kv_cache, enable_trace=trace and self.options.traced("decode"),
+                                           max_batch_size=config.max_num_seqs)
+            progress(phase, 2, 2, "done")
+
+    @property
+    def prefill_buckets(self) -> list[int]:
+        """Prefill lengths with a captured trace (empty: any length runs, eagerly)."""
+        return sorted(getattr(self.model, "traced_prefill", ()) or ())
 
     def _kv_layout(self, config: ServingConfig) -> KvLayout:
         c = self.hf_config
@@ -147,6 +199,9 @@ class ModelRunner:
         bytes_per_block = (num_layers * 2 * num_kv_heads * self.block_size * head_dim
                            * torch.empty((), dtype=self.dtype).element_size())
         wanted = -(-config.max_num_seqs * config.max_model_len // self.block_size)
+        if self.options.kv_tokens_per_lane:
+            return KvLayout(min(wanted, self.options.kv_tokens_per_lane // self.block_size), self.block_size,
+                            num_layers, num_kv_heads, head_dim)
         affordable = self.kv_cache_bytes // (bytes_per_block * config.num_lanes)
         if affordable < 1:
             raise ValueError(f"--kv-cache-memory-bytes {self.kv_cache_bytes} cannot hold one KV block "
@@ -166,11 +221,11 @@ class ModelRunner:
             self._requests.pop(request_id, None)
         for new in batch.new_requests:
             self._add(new)
-        result = StepResult(step_id=batch.step_id, sampled_on_device=True)
+        result = StepResult(step_id=batch.step_id, traced=self.options.traced(batch.kind))
         if batch.kind == "prefill":
-            result.tokens = self._prefill(batch.prefill)
+            result.tokens, result.sampled_on_device = self._prefill(batch.prefill)
         elif batch.kind == "decode":
-            result.tokens = self._decode(batch.decode)
+            result.tokens, result.sampled_on_device = self._decode(batch.decode)
         result.model_s = time.perf_counter() - started
         result.total_s = result.model_s
         return result
@@ -195,7 +250,7 @@ class ModelRunner:
                 new_block_ids, dtype=torch.int32)
         return state
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
+    def _prefill(self, chunks: list[PrefillChunk]) -> tuple[dict[str, int], bool]:
         states = [self._state(c.request_id, c.new_block_ids) for c in chunks]
         # tt-metal's layout: row i holds the sequence from position 0 and the model computes
         # tokens[i, start_pos:prompt_len]; positions before start_pos are cached and never read.
@@ -210,18 +265,26 @@ class ModelRunner:
         # An intermediate chunk samples nothing: greedy and without its generator, so a seeded
         # request draws the same random numbers however its prompt was chunked.
         sampling = _sampling_batch([s if c.sample else None for s, c in zip(states, chunks)])
+        on_device = self._samples_on_device("prefill", states, all(c.sample for c in chunks))
         out = self.model.prefill_forward(
             tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
             prompt_lens=torch.tensor([c.start_pos + len(c.token_ids) for c in chunks]),
-            start_pos=torch.tensor([c.start_pos for c in chunks]), enable_trace=False,
-            sampling_params=sampling, empty_slots=rows)
-        sampled = out.tolist()
+            start_pos=torch.tensor([c.start_pos for c in chunks]), enable_trace=self.options.traced("prefill"),
+            sampling_params=sampling if on_device else None, empty_slots=rows)
+        sampled = (out if on_device else sample(out.reshape(len(chunks), -1), sampling)).tolist()
         tokens = {c.request_id: int(t) for c, t in zip(chunks, sampled) if c.sample}
         for request_id in tokens:
             self._requests[request_id].num_output_tokens += 1
-        return tokens
+        return tokens, on_device
 
-    def _decode(self, items: list[DecodeItem]) -> dict[str, int]:
+    def _samples_on_device(self, kind: str, states: list[RequestState], no_partial_chunk: bool) -> bool:
+        """Device sampling is decided per batch: one request that needs the host sampler (or an
+        intermediate prefill chunk in the batch) sends the whole batch there."""
+        return (self.capabilities.get("supports_sample_on_device", False)
+                and self.options.device_sampling(kind) and no_partial_chunk
+                and not any(s.blocked_token_ids for s in states))
+
+    def _decode(self, items: list[DecodeItem]) -> tuple[dict[str, int], bool]:
         assert self.config is not None
         rows = self.config.num_lanes * self.config.max_num_seqs
         tokens = torch.zeros(rows, 1, dtype=torch.long)
@@ -232,17 +295,22 @@ class ModelRunner:
             tokens[state.row, 0] = item.token_id
             positions[state.row] = item.position
             by_row[state.row] = state
+        sampling = _sampling_batch(by_row)
+        on_device = self._samples_on_device("decode", [s for s in by_row if s], True)
         out = self.model.decode_forward(
             tokens, positions, page_table=self._page_table, kv_cache=self.kv_cache,
-            enable_trace=False, read_from_device=True, sampling_params=_sampling_batch(by_row))
-        out = self.model.process_decode_output_host(self.model.read_decode_output(out), is_tokens=True)
+            enable_trace=self.options.traced("decode"), read_from_device=True,
+            sampling_params=sampling if on_device else None)
+        out = self.model.process_decode_output_host(out, is_tokens=on_device)
+        if not on_device:
+            out = sample(out.reshape(rows, -1), sampling)
         sampled = out.reshape(-1).tolist()
         tokens = {}
         for item in items:
             state = self._requests[item.request_id]
             state.num_output_tokens += 1
             tokens[item.request_id] = int(sampled[state.row])
-        return tokens
+        return tokens, on_device
 
 
 def _sampling_batch(states: list[RequestState | None]) -> SamplingBatch:

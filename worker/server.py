@@ -48,7 +48,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             d.num_blocks_per_lane = r.layout.num_blocks_per_lane
             d.block_size = r.layout.block_size
             d.decode_batch_size = r.config.max_num_seqs
-            # Eager torch runs any prefill shape: no buckets, and any number of rows.
+            d.prefill_buckets.extend(r.prefill_buckets)  # empty: any length runs (eagerly)
             d.max_prefill_batch_size = r.config.max_num_seqs
         return d
 

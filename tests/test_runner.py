@@ -1,0 +1,99 @@
+"""The worker's runner over real models (SmolLM2 in torch, and the sim mesh): per-batch device vs
+host sampling, warmup order, trace flags, deterministic sim tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ttserve.worker.batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch
+from ttserve.worker.models import TorchLlamaForCausalLM
+from ttserve.worker.runner import DeviceOptions, ModelRunner
+from ttserve.worker.sim import PROFILES, SimModel, next_token
+
+CONFIG = ServingConfig(num_lanes=1, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256)
+PROMPTS = {"greedy": [1, 504, 3458, 282, 4649], "seeded": [1, 9690, 314, 2185, 282, 3000]}
+
+
+def runner(model_path, model_cls=TorchLlamaForCausalLM, **options) -> tuple[ModelRunner, list]:
+    r = ModelRunner(model_path, model_cls, "LlamaForCausalLM", torch.device("cpu"), torch.float32,
+                    block_size=16, kv_cache_bytes=64 << 20, options=DeviceOptions(**options))
+    progress = []
+    r.warmup(CONFIG, lambda phase, done, total, detail: progress.append((phase, done, total)))
+    return r, progress
+
+
+def generate(r: ModelRunner, steps: int = 10, min_tokens: int = 0) -> tuple[dict, list[bool]]:
+    news = [NewRequest("greedy", 0, 0, 0.0, 1.0, 0, None, min_tokens, [2] if min_tokens else []),
+            NewRequest("seeded", 0, 1, 0.8, 0.9, 50, 1234)]
+    blocks = {"greedy": [0], "seeded": [1]}
+    result = r.execute(StepBatch(1, "prefill", new_requests=news,
+                                 prefill=[PrefillChunk(rid, ids, 0, blocks[rid], True) for rid, ids in PROMPTS.items()]))
+    out = {rid: [t] for rid, t in result.tokens.items()}
+    paths = [result.sampled_on_device]
+    for step in range(steps):
+        items = [DecodeItem(rid, out[rid][-1], len(PROMPTS[rid]) + step, []) for rid in PROMPTS]
+        result = r.execute(StepBatch(2 + step, "decode", decode=items))
+        paths.append(result.sampled_on_device)
+        for rid, t in result.tokens.items():
+            out[rid].append(t)
+    return out, paths
+
+
+@pytest.fixture(scope="module")
+def host_run(smollm2):
+    return generate(runner(smollm2)[0])
+
+
+def test_device_and_host_sampling_give_the_same_tokens(smollm2, host_run):
+    device_out, device_paths = generate(runner(smollm2, sample_on_device_mode="all")[0])
+    host_out, host_paths = host_run
+    assert device_out == host_out
+    assert all(device_paths) and not any(host_paths)
+
+
+def test_decode_only_mode_samples_prefill_on_the_host(smollm2, host_run):
+    out, paths = generate(runner(smollm2, sample_on_device_mode="decode_only")[0])
+    assert out == host_run[0] and paths[0] is False and all(paths[1:])
+
+
+def test_always_compat_sampling_forces_the_host_path(smollm2):
+    _, paths = generate(runner(smollm2, sample_on_device_mode="all", always_compat_sampling=True)[0], steps=2)
+    assert not any(paths)
+
+
+def test_a_request_needing_the_host_sampler_sends_its_whole_batch_there(smollm2):
+    _, paths = generate(runner(smollm2, sample_on_device_mode="all")[0], steps=3, min_tokens=3)
+    assert paths == [False, False, False, True]  # min_tokens held until 3 tokens exist
+
+
+def test_warmup_compiles_every_shape_before_capturing(smollm2):
+    _, progress = runner(smollm2, SimModel.for_profile(PROFILES["n300-llama-3.1-8b"]), backend_traces=True,
+                         kv_tokens_per_lane=4096)
+    phases = [p for p, _, _ in progress]
+    assert phases.index("compile") < phases.index("capture")
+    assert phases[:phases.index("compile")] == ["load", "load", "allocate", "allocate"]
+
+
+@pytest.mark.parametrize("trace_mode, prefill_traced, decode_traced",
+                         [("all", True, True), ("decode_only", False, True), ("none", False, False)])
+def test_sim_traces_follow_trace_mode_and_tokens_are_deterministic(smollm2, trace_mode, prefill_traced,
+                                                                   decode_traced):
+    profile = PROFILES["n300-llama-3.1-8b"]
+    r, _ = runner(smollm2, SimModel.for_profile(profile), backend_traces=True, trace_mode=trace_mode,
+                  kv_tokens_per_lane=4096)
+    assert r.prefill_buckets == (sorted(profile.prefill_buckets) if prefill_traced else [])
+    first = r.execute(StepBatch(1, "prefill", new_requests=[NewRequest("a", 0, 0, 0.0, 1.0, 0, None)],
+                                prefill=[PrefillChunk("a", [5, 6, 7], 0, [0], True)]))
+    assert first.traced is prefill_traced
+    expected = int(next_token(torch.tensor(7), torch.tensor(2), r.vocab_size))
+    assert first.tokens == {"a": expected}
+    second = r.execute(StepBatch(2, "decode", decode=[DecodeItem("a", expected, 3, [])]))
+    assert second.traced is decode_traced
+    assert second.tokens == {"a": int(next_token(torch.tensor(expected), torch.tensor(3), r.vocab_size))}
+
+
+def test_sim_prefill_cost_interpolates_the_published_points():
+    p = PROFILES["galaxy-llama-3.3-70b"]
+    assert p.prefill_s(128) == pytest.approx(0.053) and p.prefill_s(4096) == pytest.approx(0.627)
+    assert p.prefill_s(128) < p.prefill_s(p.bucket(500)) < p.prefill_s(4096)
+    assert p.bucket(1) == 128 and p.bucket(1025) == 2048 and p.bucket(9000) == 16384
