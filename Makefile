@@ -40,6 +40,8 @@ bench: setup
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/scheduler_cost.py
 	$(PY) benchmarks/phase_policy.py
+	$(PY) benchmarks/lanes.py
+	$(PY) benchmarks/sim_decode.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info ttserve/v1/*_pb2*.py ttserve/v1/*_pb2*.pyi

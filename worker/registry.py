@@ -1,14 +1,341 @@
-"""Model registry: a checkpoint's declared architecture selects the model class.
+"""Model registry: a checkpoint's declared architecture selects the model class (DESIGN.md §3).
 
-Entries match the architecture (e.g. LlamaForCausalLM), never a model's name, so one entry covers
-every release of a family.
+Entries are named `TT<HFArch>` (TTLlamaForCausalLM, ...) and match the architectures a checkpoint
+declares in config.json, never its name, so one entry covers every release of a family. The first
+declared architecture with an entry wins.
+
+Where entries come from:
+
+* Built-in, per backend. `torch`: ttserve's reference models (ttserve.worker.models). `ttnn`:
+  tt-metal's model classes, held as lazy "module:Class" strings and imported only when selected,
+  so a host without tt-metal can still list them. `TT_LLAMA_TEXT_VER` and `TT_QWEN3_TEXT_VER`
+  switch the Llama and Qwen3 entries to tt-metal's Galaxy implementations.
+  `TT_VLLM_BUILTIN_MODELS=0` (or false/no/off) drops the built-ins.
+* Bundles under `EXTRA_MODELS_DIR` (one folder, or several joined with os.pathsep): every
+  sub-folder is a bundle holding `vllm_metadata.json` -- `{"arch": "<HFArch>" or "TT<HFArch>",
+  "main_class": "module:Class", ...}`, further keys ignored -- plus the adapter code. The bundle
+  folder is appended to sys.path (never prepended: an installed package of the same name is never
+  shadowed), its module is imported when the registry is built and the class is checked against
+  the generator contract. A bundle that cannot be used is skipped with one warning naming its
+  folder and the problem; serving the architecture of such a bundle fails at start-up with that
+  problem. A bundle overrides a built-in entry of the same name; between bundles, the first folder
+  (directories in EXTRA_MODELS_DIR order, bundles sorted by name) wins.
+
+The entry layout follows tenstorrent/vllm-tt-plugin (platform.py: register_tt_models and the
+EXTRA_MODELS_DIR bundle scan); the built-in ttnn paths are the ones it registers for tt-metal.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
-class UnknownArchitecture(ValueError):
+log = logging.getLogger("ttserve.worker.registry")
+
+BACKENDS = ("torch", "ttnn")
+
+# What the runner calls on a model class and its instances (tt-metal's generator contract).
+CONTRACT_METHODS = ("initialize_vllm_model", "allocate_kv_cache", "prefill_forward", "decode_forward",
+                    "read_decode_output", "process_decode_output_host")
+
+METADATA_FILE = "vllm_metadata.json"
+
+_TT_TRANSFORMERS = "models.tt_transformers.tt.generator_vllm"
+_GALAXY = "models.demos.llama3_70b_galaxy.tt.generator_vllm"
+
+# Selector variable -> {value: module:Class}; the first value is the default.
+SELECTORS: dict[str, tuple[str, dict[str, str]]] = {
+    "TT_LLAMA_TEXT_VER": ("TTLlamaForCausalLM", {
+        "tt_transformers": f"{_TT_TRANSFORMERS}:LlamaForCausalLM",
+        "llama3_70b_galaxy": f"{_GALAXY}:LlamaForCausalLM",
+        "llama2_70b": "models.demos.t3000.llama2_70b.tt.generator_vllm:TtLlamaForCausalLM",
+    }),
+    "TT_QWEN3_TEXT_VER": ("TTQwen3ForCausalLM", {
+        "tt_transformers": f"{_TT_TRANSFORMERS}:QwenForCausalLM",
+        "qwen3_32b_galaxy": f"{_GALAXY}:QwenForCausalLM",
+    }),
+}
+
+# Text-generation classes of tt-metal that the selectors do not switch. (The plugin also registers
+# multimodal classes -- Mllama, Qwen2.5-VL, Qwen3-VL, Mistral3, Gemma3/4 -- which need image
+# inputs that ttserve does not carry, so they are not listed here.)
+_TTNN_FIXED = {
+    "TTQwen2ForCausalLM": f"{_TT_TRANSFORMERS}:QwenForCausalLM",
+    "TTMistralForCausalLM": f"{_TT_TRANSFORMERS}:MistralForCausalLM",
+    "TTGptOssForCausalLM": f"{_TT_TRANSFORMERS}:GptOssForCausalLM",
+    "TTDeepseekV3ForCausalLM": "models.demos.deepseek_v3.tt.generator_vllm:DeepseekV3ForCausalLM",
+}
+
+
+class RegistryError(ValueError):
+    """The registry cannot be built as configured, or the selected model class cannot be used."""
+
+
+class UnknownArchitecture(RegistryError):
     """No registered model class serves this checkpoint."""
 
+
+class ModelLoadError(RegistryError):
+    """The entry for the checkpoint's architecture exists but its class cannot be imported or
+    does not implement the generator contract."""
+
+
+def tt_name(arch: str) -> str:
+    """The registry name of a Hugging Face architecture: TT-prefixed, as the plugin names them."""
+    return arch if arch.startswith("TT") else "TT" + arch
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered architecture. `target` is a class, or a lazy "module:Class" string."""
+
+    name: str
+    target: type | str
+    source: str  # "torch" / "ttnn" for built-ins, else the bundle folder
+    variant: str | None = None  # the selector value that chose a built-in ttnn class
+
+    @property
+    def is_bundle(self) -> bool:
+        return self.source not in BACKENDS
+
+    @property
+    def target_name(self) -> str:
+        if isinstance(self.target, str):
+            return self.target
+        return f"{self.target.__module__}:{self.target.__qualname__}"
+
+    def load(self) -> type:
+        """The class, imported on first use; ModelLoadError says why it cannot be had."""
+        if not isinstance(self.target, str):
+            return self.target
+        cls, problem = load_target(self.target, hint=self.source == "ttnn")
+        if problem:
+            where = f"bundle {self.source}" if self.is_bundle else f"built-in {self.source} entry"
+            raise ModelLoadError(f"{self.name} ({where}): {problem}")
+        return cls
+
+
+def load_target(target: str, hint: bool = False) -> tuple[type | None, str | None]:
+    """The class named by "module:Class" if it imports and meets the contract, else the problem."""
+    try:
+        cls = import_target(target)
+    except Exception as e:  # noqa: BLE001 - any failure of foreign import-time code
+        tip = (" (is tt-metal installed, with its root on PYTHONPATH?)"
+               if hint and isinstance(e, ModuleNotFoundError) else "")
+        return None, f"cannot import {target}: {type(e).__name__}: {e}{tip}"
+    problem = contract_problem(cls)
+    return (None, f"{target} {problem}") if problem else (cls, None)
+
+
+def import_target(target: str) -> type:
+    module_name, _, attr = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def contract_problem(cls: object) -> str | None:
+    """Why `cls` cannot be driven by the runner, or None."""
+    if not isinstance(cls, type):
+        return f"is a {type(cls).__name__}, not a class"
+    missing = [m for m in CONTRACT_METHODS if not callable(getattr(cls, m, None))]
+    if missing:
+        return f"does not implement the generator contract: no {', '.join(missing)}"
+    caps = getattr(cls, "model_capabilities", {})
+    if not isinstance(caps, Mapping):
+        return f"has model_capabilities of type {type(caps).__name__}, not a dict"
+    return None
+
+
+def _valid_target(target: str) -> bool:
+    module_name, sep, attr = target.partition(":")
+    return bool(sep) and ":" not in attr and all(
+        p.isidentifier() for p in module_name.split(".") + attr.split("."))
+
+
+class Registry:
+    """Architectures a worker of one backend can serve."""
+
+    def __init__(self, backend: str, entries: Mapping[str, Entry],
+                 skipped: Mapping[str, str] | None = None,
+                 broken: Mapping[str, tuple[str, str]] | None = None) -> None:
+        self.backend = backend
+        self.entries = dict(entries)
+        self.skipped = dict(skipped or {})  # bundle folder -> what is wrong with it
+        self._broken = dict(broken or {})  # TT name -> (folder, problem) of an unusable bundle
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def __contains__(self, arch: str) -> bool:
+        return tt_name(arch) in self.entries
+
+    def entry(self, arch: str) -> Entry:
+        return self.entries[tt_name(arch)]
+
+    def resolve(self, architectures: list[str]) -> tuple[str, type]:
+        """The first declared architecture with an entry (as declared) and its class.
+
+        Raises UnknownArchitecture (listing the registered names) when none has an entry, and
+        ModelLoadError when the chosen entry cannot be imported or misses the contract.
+        """
+        for arch in architectures:
+            name = tt_name(arch)
+            if name in self._broken:
+                folder, problem = self._broken[name]
+                raise ModelLoadError(f"{arch} is provided by bundle {folder}, which cannot be "
+                                     f"used: {problem}")
+            if name in self.entries:
+                return arch, self.entries[name].load()
+        declared = ", ".join(architectures) or "(none declared in config.json)"
+        skipped = (f" ({len(self.skipped)} bundle(s) under EXTRA_MODELS_DIR were skipped, see the "
+                   "warnings above)" if self.skipped else "")
+        raise UnknownArchitecture(
+            f"no model is registered for architecture {declared} on the {self.backend} backend; "
+            f"registered: {', '.join(self.names()) or '(none)'}{skipped}")
+
+
+def builtins_enabled(env: Mapping[str, str]) -> bool:
+    value = env.get("TT_VLLM_BUILTIN_MODELS")
+    return value is None or value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def builtin_entries(backend: str, env: Mapping[str, str]) -> dict[str, Entry]:
+    if backend == "torch":
+        from .models import REFERENCE_ARCHITECTURES
+        return {tt_name(arch): Entry(tt_name(arch), cls, "torch")
+                for arch, cls in REFERENCE_ARCHITECTURES.items()}
+    entries = {name: Entry(name, target, "ttnn") for name, target in _TTNN_FIXED.items()}
+    for var, (name, choices) in SELECTORS.items():
+        value = env.get(var) or next(iter(choices))
+        if value not in choices:
+            raise RegistryError(f"{var}={value!r} is not a known {name} implementation; "
+                                f"choose one of {', '.join(choices)}")
+        entries[name] = Entry(name, choices[value], "ttnn", variant=value)
+    return dict(sorted(entries.items()))
+
+
+def _bundle_dirs(env: Mapping[str, str]) -> list[Path]:
+    value = env.get("EXTRA_MODELS_DIR") or ""
+    dirs = []
+    for part in value.split(os.pathsep):
+        if not part.strip():
+            continue
+        path = Path(part).expanduser()
+        if not path.is_dir():
+            log.warning("EXTRA_MODELS_DIR entry %s is not a directory; ignoring it", path)
+            continue
+        dirs.append(path)
+    return dirs
+
+
+def _read_metadata(folder: Path) -> tuple[str, str]:
+    """(arch, main_class) of a bundle; RegistryError says what is wrong."""
+    meta = folder / METADATA_FILE
+    if not meta.is_file():
+        raise RegistryError(f"no {METADATA_FILE}")
+    try:
+        data = json.loads(meta.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RegistryError(f"cannot read {METADATA_FILE}: {e}") from e
+    if not isinstance(data, dict):
+        raise RegistryError(f"{METADATA_FILE} must hold a JSON object, not {type(data).__name__}")
+    missing = [k for k in ("arch", "main_class") if not data.get(k)]
+    if missing:
+        raise RegistryError(f"{METADATA_FILE} lacks {' and '.join(repr(k) for k in missing)} "
+                            '(expected {"arch": "<HFArch>", "main_class": "module:Class"})')
+    arch, main_class = data["arch"], data["main_class"]
+    if not isinstance(arch, str) or not arch.isidentifier():
+        raise RegistryError(f"{METADATA_FILE}: 'arch' must be an architecture name, got {arch!r}")
+    if not isinstance(main_class, str) or not _valid_target(main_class):
+        raise RegistryError(f"{METADATA_FILE}: 'main_class' must be \"module:Class\", got {main_class!r}")
+    return arch, main_class
+
+
+def _shadowing_problem(folder: Path, main_class: str) -> str | None:
+    """A bundle module that would resolve to another folder's module of the same name."""
+    top = main_class.partition(":")[0].split(".")[0]
+    own = [p for p in (folder / f"{top}.py", folder / top) if p.exists()]
+    if not own:
+        return None  # main_class names an installed module, which is allowed
+    spec = importlib.util.find_spec(top) if top not in sys.modules else None
+    origin = getattr(sys.modules.get(top), "__file__", None) if spec is None else spec.origin
+    if origin is None:
+        return None
+    if Path(origin).resolve().is_relative_to(folder.resolve()):
+        return None
+    return (f"its module {top!r} is shadowed by {origin} (already imported or earlier on sys.path); "
+            "give the bundle's module a unique name")
+
+
+def _load_bundle(folder: Path, arch: str, main_class: str) -> Entry:
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    problem = _shadowing_problem(folder, main_class)
+    if problem is None:
+        cls, problem = load_target(main_class)
+    if problem:
+        raise ModelLoadError(problem)
+    return Entry(tt_name(arch), cls, str(folder))
+
+
+def bundle_entries(env: Mapping[str, str]) -> tuple[dict[str, Entry], dict[str, str],
+                                                     dict[str, tuple[str, str]]]:
+    """Usable bundles by name, skipped folders with their problem, and unusable bundles by name."""
+    entries: dict[str, Entry] = {}
+    skipped: dict[str, str] = {}
+    broken: dict[str, tuple[str, str]] = {}
+
+    def skip(folder: Path, problem: str) -> None:
+        skipped[str(folder)] = problem
+        log.warning("EXTRA_MODELS_DIR: skipping bundle %s: %s", folder, problem)
+
+    for base in _bundle_dirs(env):
+        for folder in sorted(base.iterdir()):
+            if not folder.is_dir() or folder.name.startswith((".", "__")):
+                continue
+            try:
+                arch, main_class = _read_metadata(folder)
+            except RegistryError as e:
+                skip(folder, str(e))
+                continue
+            name = tt_name(arch)
+            if name in entries:
+                skip(folder, f"{name} is already provided by bundle {entries[name].source}")
+                continue
+            try:
+                entries[name] = _load_bundle(folder, arch, main_class)
+            except ModelLoadError as e:
+                skip(folder, str(e))
+                broken.setdefault(name, (str(folder), str(e)))
+                continue
+            broken.pop(name, None)
+            log.info("registered %s -> %s (bundle %s)", name, main_class, folder)
+    return entries, skipped, broken
+
+
+def build_registry(backend: str, env: Mapping[str, str] = os.environ) -> Registry:
+    """The registry of `backend` ("torch" or "ttnn") under the environment `env`."""
+    if backend not in BACKENDS:
+        raise RegistryError(f"no model registry for backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    entries = builtin_entries(backend, env) if builtins_enabled(env) else {}
+    bundles, skipped, broken = bundle_entries(env)
+    for name, entry in bundles.items():
+        if name in entries:
+            log.info("bundle %s overrides the built-in %s (%s)", entry.source, name,
+                     entries[name].target_name)
+    entries.update(bundles)
+    return Registry(backend, entries, skipped, broken)
+
+
+# --- the earlier interface, kept for callers that predate build_registry -----------------------
 
 def reference_models() -> dict[str, type]:
     from .models import REFERENCE_ARCHITECTURES
@@ -16,7 +343,7 @@ def reference_models() -> dict[str, type]:
 
 
 def resolve(architectures: list[str], registry: dict[str, type]) -> tuple[str, type]:
-    """The first declared architecture with an entry, and its class."""
+    """The first declared architecture with an entry in a plain {HFArch: class} dict."""
     for arch in architectures:
         if arch in registry:
             return arch, registry[arch]

@@ -1,0 +1,83 @@
+"""Steady decode on the simulated Galaxy: how close the whole system gets to the device's limit.
+
+A sim worker with the `galaxy-llama-3.3-70b` profile (a traced decode step of 1/72.5 s) under a
+control plane with 4 lanes x 8 requests. With every row busy decoding, the device could run
+72.5 steps/s; whatever the control plane, gRPC and the runner add between steps shows up as
+achieved steps/s below that. Reported: achieved / limit, with host and with device sampling.
+
+    python benchmarks/sim_decode.py [--seconds 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+
+from ttserve.client import EngineClient
+from ttserve.worker.sim import PROFILES
+
+PROFILE = "galaxy-llama-3.3-70b"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(model: str, seconds: float, tt: str) -> dict:
+    wport, cport = _port(), _port()
+    procs = [subprocess.Popen([sys.executable, "-m", "ttserve.worker", "--backend", "sim", "--sim-profile", PROFILE,
+                               "--model", model, "--port", str(wport), "--additional-config", tt],
+                              stderr=subprocess.DEVNULL),
+             subprocess.Popen([sys.executable, "-m", "ttserve.control", "--port", str(cport), "--worker",
+                               f"127.0.0.1:{wport}", "--data-parallel-size", "4", "--max-num-seqs", "8"],
+                              stderr=subprocess.DEVNULL)]
+    try:
+        address = f"127.0.0.1:{cport}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if EngineClient(address).server_info().ready:
+                    break
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the sim stack did not come up")
+            time.sleep(0.3)
+        client = EngineClient(address)
+        for i in range(32):
+            client.add(f"r{i}", [1, 2, 3, 4 + i], 4000, ignore_eos=True)
+        # Let every request finish its prefill, then count decode steps over the window.
+        time.sleep(3.0)
+        before = client.server_info().workers[0].num_steps
+        time.sleep(seconds)
+        steps = client.server_info().workers[0].num_steps - before
+        client.close()
+        limit = 1 / PROFILES[PROFILE].decode_step_s
+        return {"steps_per_s": round(steps / seconds, 2), "limit_steps_per_s": round(limit, 2),
+                "ratio_to_limit": round(steps / seconds / limit, 3)}
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    report = {
+        "host sampling": measure(args.model, args.seconds, '{"tt": {}}'),
+        "device sampling": measure(args.model, args.seconds, '{"tt": {"sample_on_device_mode": "all"}}'),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
