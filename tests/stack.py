@@ -30,10 +30,11 @@ class Service:
     log_path: Path
     proc: subprocess.Popen | None = None
 
-    def start(self) -> "Service":
+    def start(self, env: dict | None = None) -> "Service":
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", *self.args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
         return self
 
     def alive(self) -> bool:
@@ -99,25 +100,29 @@ def control_ready(address: str) -> bool:
         return info.ready and all(w.ready for w in info.workers)
 
 
-def start_worker(tmp: Path, model: str, port: int | None = None, *extra: str) -> Service:
+def start_worker(tmp: Path, model: str, port: int | None = None, *extra: str,
+                 env: dict | None = None) -> Service:
+    """`env`: variables added to the worker's environment."""
     port = port or free_port()
     return Service("worker", ["ttserve.worker", "--port", str(port), "--model", model, *extra],
-                   tmp / f"worker-{port}.log").start()
+                   tmp / f"worker-{port}.log").start(env)
 
 
 def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
-                worker_flags: tuple[str, ...] = (), gateway: bool = True, workers: int = 1) -> Stack:
-    """Workers, a control plane and (optionally) a gateway, each its own process."""
+                worker_flags: tuple[str, ...] = (), gateway: bool = True, workers: int = 1,
+                env: dict | None = None) -> Stack:
+    """Workers, a control plane and (optionally) a gateway, each its own process; `env`: variables
+    added to every service's environment."""
     control_port = free_port()
     worker_ports = [free_port() for _ in range(workers)]
     stack = Stack(control_address=f"127.0.0.1:{control_port}",
                   worker_address=f"127.0.0.1:{worker_ports[0]}")
     for port in worker_ports:
-        stack.services.append(start_worker(tmp, model, port, *worker_flags))
+        stack.services.append(start_worker(tmp, model, port, *worker_flags, env=env))
     worker_args = [arg for port in worker_ports for arg in ("--worker", f"127.0.0.1:{port}")]
     stack.services.append(Service("control", ["ttserve.control", "--port", str(control_port), *worker_args,
                                               *control_flags],
-                                  tmp / f"control-{control_port}.log").start())
+                                  tmp / f"control-{control_port}.log").start(env))
     try:
         wait_until(lambda: control_ready(stack.control_address), 300, "the control plane to be ready", stack)
         if gateway:
@@ -125,7 +130,7 @@ def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
             stack.http_url = f"http://127.0.0.1:{http_port}"
             stack.services.append(Service("gateway", ["ttserve.gateway", "--port", str(http_port), "--control",
                                                       stack.control_address],
-                                          tmp / f"gateway-{http_port}.log").start())
+                                          tmp / f"gateway-{http_port}.log").start(env))
             wait_until(lambda: http_ok(f"{stack.http_url}/health"), 300, "the gateway", stack)
     except BaseException:
         stack.stop()

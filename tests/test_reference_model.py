@@ -290,7 +290,7 @@ def test_decode_output_reads_back_through_the_contract(smol, tokenizer):
 def test_capabilities_and_registry():
     caps = TorchLlamaForCausalLM.model_capabilities
     assert caps["supports_prefix_caching"] and caps["supports_chunked_prefill"]
-    assert caps["supports_sample_on_device"] and not caps["supports_async_decode"]
+    assert caps["supports_sample_on_device"] and caps["supports_async_decode"]
     assert set(REFERENCE_ARCHITECTURES) == {"LlamaForCausalLM", "Qwen2ForCausalLM",
                                             "Qwen3ForCausalLM", "MistralForCausalLM"}
 

@@ -33,6 +33,7 @@ class DecodeItem:
     token_id: int
     position: int
     new_block_ids: list[int]
+    use_previous_token: bool = False
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class StepBatch:
     released_ids: list[str] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[DecodeItem] = field(default_factory=list)
+    async_readback: bool = False
 
 
 @dataclass(slots=True)

@@ -51,7 +51,7 @@ def build_service(args: argparse.Namespace):
 
     from .model_prepare import ModelPrepareError, resolve_model
     from .options import OptionError, parse_additional_config
-    from .registry import UnknownArchitecture, reference_models, resolve
+    from .registry import RegistryError, build_registry
     from .runner import DeviceOptions, ModelRunner
     from .server import DeviceService
     from .sim import PROFILES, SimModel
@@ -63,7 +63,9 @@ def build_service(args: argparse.Namespace):
         backend, why = choose_backend(args.backend)
         model_path = resolve_model(args.model)
         runner_config = ModelRunner.read_config(model_path)
-        architecture, model_cls = resolve(runner_config.get("architectures") or [], reference_models())
+        # The sim serves the checkpoint's config with the reference model's contract shape.
+        registry = build_registry("torch" if backend == "sim" else backend)
+        architecture, model_cls = registry.resolve(runner_config.get("architectures") or [])
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise StartupError("--device cuda: torch sees no CUDA device on this host")
@@ -78,7 +80,7 @@ def build_service(args: argparse.Namespace):
             device_name = f"sim {profile.name} ({profile.description})"
             device_options = DeviceOptions.from_tt(options, backend_traces=True,
                                                    kv_tokens_per_lane=profile.kv_tokens_per_lane)
-    except (OptionError, ModelPrepareError, UnknownArchitecture, StartupError, RuntimeError) as e:
+    except (OptionError, ModelPrepareError, RegistryError, StartupError, RuntimeError) as e:
         raise StartupError(str(e)) from e
     log.info("backend %s (%s); model %s (%s) on %s; tt options %s", backend, why, model_path,
              architecture, device_name, options or "none")

@@ -333,20 +333,3 @@ def build_registry(backend: str, env: Mapping[str, str] = os.environ) -> Registr
                      entries[name].target_name)
     entries.update(bundles)
     return Registry(backend, entries, skipped, broken)
-
-
-# --- the earlier interface, kept for callers that predate build_registry -----------------------
-
-def reference_models() -> dict[str, type]:
-    from .models import REFERENCE_ARCHITECTURES
-    return dict(REFERENCE_ARCHITECTURES)
-
-
-def resolve(architectures: list[str], registry: dict[str, type]) -> tuple[str, type]:
-    """The first declared architecture with an entry in a plain {HFArch: class} dict."""
-    for arch in architectures:
-        if arch in registry:
-            return arch, registry[arch]
-    raise UnknownArchitecture(
-        f"no model is registered for architecture {', '.join(architectures) or '(none declared)'}; "
-        f"registered: {', '.join(sorted(registry))}")

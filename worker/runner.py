@@ -45,6 +45,18 @@ class RequestState:
         return self.min_tokens_blocked_ids if self.num_output_tokens < self.min_tokens else None
 
 
+@dataclass(slots=True)
+class Launched:
+    """A step started on the device; `readback` is set while a decode's result is still there."""
+    result: StepResult
+    started: float
+    readback: tuple | None = None   # (host output, read events, decode items)
+
+    @property
+    def deferred(self) -> bool:
+        return self.readback is not None
+
+
 @dataclass(slots=True, frozen=True)
 class DeviceOptions:
     """How the runner drives the device (the `tt` options plus what the backend can do)."""
@@ -99,6 +111,7 @@ class ModelRunner:
         self.model = None
         self.kv_cache = None
         self._requests: dict[str, RequestState] = {}
+        self._previous_tokens = torch.zeros(0, dtype=torch.long)  # last decode's tokens, by row
 
     # ---- model facts ---------------------------------------------------------------------
     @staticmethod
@@ -139,7 +152,8 @@ class ModelRunner:
 
     @property
     def capabilities(self) -> dict[str, bool]:
-        return dict(self.model_cls.model_capabilities)
+        # tt-metal's classes may not declare any (as vLLM's plugin allows): then none.
+        return dict(getattr(self.model_cls, "model_capabilities", None) or {})
 
     # ---- warmup --------------------------------------------------------------------------
     def warmup(self, config: ServingConfig, progress: Progress) -> None:
@@ -212,8 +226,22 @@ class ModelRunner:
     def reset(self) -> None:
         """A new step stream starts with no request state."""
         self._requests.clear()
+        self._previous_tokens = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def async_decode(self) -> bool:
+        """Decode steps can be pipelined: the model reads back asynchronously and decode
+        samples on the device (host sampling needs the logits first)."""
+        return (self.capabilities.get("supports_async_decode", False)
+                and self.capabilities.get("supports_sample_on_device", False)
+                and self.options.device_sampling("decode"))
 
     def execute(self, batch: StepBatch) -> StepResult:
+        return self.finish(self.launch(batch))
+
+    def launch(self, batch: StepBatch) -> Launched:
+        """Start a step. A pipelined decode (async_readback) returns with its result still on
+        the device; `finish` collects it, after the next step has been launched."""
         if self.config is None:
             raise StepError("step received before warmup")
         started = time.perf_counter()
@@ -221,14 +249,33 @@ class ModelRunner:
             self._requests.pop(request_id, None)
         for new in batch.new_requests:
             self._add(new)
-        result = StepResult(step_id=batch.step_id, traced=self.options.traced(batch.kind))
+        launched = Launched(StepResult(step_id=batch.step_id, traced=self.options.traced(batch.kind)), started)
         if batch.kind == "prefill":
-            result.tokens, result.sampled_on_device = self._prefill(batch.prefill)
+            launched.result.tokens, launched.result.sampled_on_device = self._prefill(batch.prefill)
         elif batch.kind == "decode":
-            result.tokens, result.sampled_on_device = self._decode(batch.decode)
-        result.model_s = time.perf_counter() - started
+            self._decode(batch.decode, launched, batch.async_readback and self.async_decode)
+        return launched
+
+    def finish(self, launched: Launched) -> StepResult:
+        """Wait for a launched step's readback and return its result."""
+        result = launched.result
+        if launched.readback is not None:
+            host_out, events, items = launched.readback
+            for event in events:
+                self._synchronize(event)
+            tokens = self.model.process_decode_output_host(host_out, is_tokens=True).reshape(-1).tolist()
+            result.tokens = self._collect(items, tokens)
+        result.model_s = time.perf_counter() - launched.started
         result.total_s = result.model_s
         return result
+
+    @staticmethod
+    def _synchronize(event: object) -> None:
+        # ttnn events go through ttnn.event_synchronize (the ttnn backend); the sim's own
+        # events know how to wait; torch has none.
+        sync = getattr(event, "synchronize", None)
+        if sync is not None:
+            sync()
 
     def _add(self, new: NewRequest) -> None:
         generator = None
@@ -284,7 +331,7 @@ class ModelRunner:
                 and self.options.device_sampling(kind) and no_partial_chunk
                 and not any(s.blocked_token_ids for s in states))
 
-    def _decode(self, items: list[DecodeItem]) -> tuple[dict[str, int], bool]:
+    def _decode(self, items: list[DecodeItem], launched: Launched, pipelined: bool) -> None:
         assert self.config is not None
         rows = self.config.num_lanes * self.config.max_num_seqs
         tokens = torch.zeros(rows, 1, dtype=torch.long)
@@ -292,25 +339,38 @@ class ModelRunner:
         by_row: list[RequestState | None] = [None] * rows
         for item in items:
             state = self._state(item.request_id, item.new_block_ids)
-            tokens[state.row, 0] = item.token_id
+            # The previous step's token, possibly still on the device (async decode).
+            tokens[state.row, 0] = self._previous_tokens[state.row] if item.use_previous_token else item.token_id
             positions[state.row] = item.position
             by_row[state.row] = state
         sampling = _sampling_batch(by_row)
         on_device = self._samples_on_device("decode", [s for s in by_row if s], True)
+        launched.result.sampled_on_device = on_device
         out = self.model.decode_forward(
             tokens, positions, page_table=self._page_table, kv_cache=self.kv_cache,
-            enable_trace=self.options.traced("decode"), read_from_device=True,
+            enable_trace=self.options.traced("decode"), read_from_device=not (pipelined and on_device),
             sampling_params=sampling if on_device else None)
+        if pipelined and on_device:
+            # tt-metal's async readback: the result stays on the device until finish().
+            host_out, events = self.model.read_decode_output(out, async_read=True)
+            self._previous_tokens = getattr(out, "tokens", out).reshape(-1)
+            launched.readback = (host_out, events, items)
+            return
         out = self.model.process_decode_output_host(out, is_tokens=on_device)
         if not on_device:
             out = sample(out.reshape(rows, -1), sampling)
-        sampled = out.reshape(-1).tolist()
+        self._previous_tokens = out.reshape(-1)
+        launched.result.tokens = self._collect(items, self._previous_tokens.tolist())
+
+    def _collect(self, items: list[DecodeItem], sampled: list[int]) -> dict[str, int]:
         tokens = {}
         for item in items:
-            state = self._requests[item.request_id]
+            state = self._requests.get(item.request_id)
+            if state is None:
+                continue  # released while its step was in flight
             state.num_output_tokens += 1
             tokens[item.request_id] = int(sampled[state.row])
-        return tokens, on_device
+        return tokens
 
 
 def _sampling_batch(states: list[RequestState | None]) -> SamplingBatch:

@@ -41,7 +41,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 supports_sample_on_device=caps.get("supports_sample_on_device", False),
                 supports_chunked_prefill=caps.get("supports_chunked_prefill", False),
                 single_execute_lanes=caps.get("single_execute_lanes", False)),
-            eos_token_ids=r.eos_token_ids, ready=r.config is not None,
+            eos_token_ids=r.eos_token_ids, ready=r.config is not None, async_decode=r.async_decode,
             mixture_of_experts=r.is_mixture_of_experts, mrope=r.uses_mrope)
         if r.config is not None and r.layout is not None:
             d.config.CopyFrom(config_to_pb(r.config))
@@ -93,10 +93,18 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                                 "this worker already serves a step stream (one control plane per worker)")
         async with self._stream_lock:
             self.runner.reset()
+            held = None  # a pipelined decode, finished once the next batch is launched
             async for pb in batches:
                 received = time.perf_counter()
                 try:
-                    result = await asyncio.to_thread(self.runner.execute, batch_from_pb(pb))
+                    launched = await asyncio.to_thread(self.runner.launch, batch_from_pb(pb))
+                    if held is not None:
+                        yield result_to_pb(await asyncio.to_thread(self.runner.finish, held))
+                        held = None
+                    if launched.deferred:
+                        held = launched
+                        continue
+                    result = await asyncio.to_thread(self.runner.finish, launched)
                 except Exception as e:  # the stream ends; the control plane fails these requests
                     log.exception("step %d failed", pb.step_id)
                     yield device_pb2.StepResult(step_id=pb.step_id, error=f"{type(e).__name__}: {e}")

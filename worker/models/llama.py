@@ -180,7 +180,8 @@ class TorchLlamaForCausalLM:
 
     model_capabilities = {
         "supports_prefix_caching": True,
-        "supports_async_decode": False,
+        # decode_forward(read_from_device=False) leaves tokens in place for the next step.
+        "supports_async_decode": True,
         "supports_sample_on_device": True,
         "supports_chunked_prefill": True,
         # All lanes' rows run in one forward pass: lanes form one group, as on a Galaxy.

@@ -1,0 +1,420 @@
+"""The model registry (worker/registry.py): TT<Arch> entries matched by declared architecture,
+built-ins per backend, the Galaxy selectors, EXTRA_MODELS_DIR bundles, TT_VLLM_BUILTIN_MODELS,
+and one end-to-end run of a bundle-provided model through a real worker and control plane."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from ttserve.worker import registry as reg
+from ttserve.worker.models import REFERENCE_ARCHITECTURES
+from ttserve.worker.models.llama import (
+    TorchLlamaForCausalLM,
+    TorchMistralForCausalLM,
+    TorchQwen2ForCausalLM,
+)
+from ttserve.worker.registry import (
+    ModelLoadError,
+    RegistryError,
+    UnknownArchitecture,
+    build_registry,
+)
+
+LOGGER = "ttserve.worker.registry"
+
+TORCH_NAMES = ["TTLlamaForCausalLM", "TTMistralForCausalLM", "TTQwen2ForCausalLM", "TTQwen3ForCausalLM"]
+
+# A minimal class that speaks the generator contract (nothing runs through it here).
+CONTRACT_CLASS = '''
+class {name}:
+    model_capabilities = {{"supports_prefix_caching": False}}
+
+    @classmethod
+    def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len,
+                              tt_data_parallel=1, **kwargs):
+        return cls()
+
+    def allocate_kv_cache(self, kv_cache_shape, dtype, num_layers):
+        return []
+
+    def prefill_forward(self, *args, **kwargs):
+        return None
+
+    def decode_forward(self, *args, **kwargs):
+        return None
+
+    def read_decode_output(self, out, async_read=False):
+        return out
+
+    def process_decode_output_host(self, out, is_tokens=False):
+        return out
+'''
+
+
+@pytest.fixture(autouse=True)
+def isolated_imports(tmp_path):
+    """Bundles append folders to sys.path and import modules; undo both after each test."""
+    path, modules = list(sys.path), set(sys.modules)
+    yield
+    sys.path[:] = path
+    for name in set(sys.modules) - modules:
+        file = getattr(sys.modules[name], "__file__", None) or ""
+        if file.startswith(str(tmp_path)) or name == "models" or name.startswith("models."):
+            del sys.modules[name]
+
+
+def write_bundle(base: Path, folder: str, metadata: dict | str | None,
+                 files: dict[str, str] | None = None) -> Path:
+    path = base / folder
+    path.mkdir(parents=True)
+    if metadata is not None:
+        text = metadata if isinstance(metadata, str) else json.dumps(metadata)
+        (path / reg.METADATA_FILE).write_text(text)
+    for name, source in (files or {}).items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(source)
+    return path
+
+
+def good_bundle(base: Path, folder: str, arch: str, module: str, cls: str = "Adapter") -> Path:
+    return write_bundle(base, folder, {"arch": arch, "main_class": f"{module}:{cls}", "note": "extra"},
+                        {f"{module}.py": CONTRACT_CLASS.format(name=cls)})
+
+
+def warnings_naming(caplog, folder: Path) -> list[str]:
+    """The registry's warnings about `folder` (a bundle, or an EXTRA_MODELS_DIR entry)."""
+    subjects = (f"skipping bundle {folder}:", f"EXTRA_MODELS_DIR entry {folder} ")
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == LOGGER
+            and any(subject in r.getMessage() for subject in subjects)]
+
+
+# --- built-ins and matching ------------------------------------------------------------------
+
+def test_torch_builtins_are_the_reference_models_under_tt_names():
+    registry = build_registry("torch", {})
+    assert registry.names() == TORCH_NAMES
+    for arch, cls in REFERENCE_ARCHITECTURES.items():
+        assert registry.resolve([arch]) == (arch, cls)
+        assert registry.entry(arch).source == "torch"
+
+
+def test_first_declared_architecture_with_an_entry_wins():
+    registry = build_registry("torch", {})
+    assert registry.resolve(["NoSuchForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"]) == \
+        ("Qwen2ForCausalLM", TorchQwen2ForCausalLM)
+    assert registry.resolve(["LlamaForCausalLM", "Qwen2ForCausalLM"])[1] is TorchLlamaForCausalLM
+
+
+def test_tt_prefix_is_added_and_a_tt_prefixed_declaration_matches_too():
+    registry = build_registry("torch", {})
+    assert "MistralForCausalLM" in registry and "TTMistralForCausalLM" in registry
+    assert registry.resolve(["TTMistralForCausalLM"]) == ("TTMistralForCausalLM", TorchMistralForCausalLM)
+    assert reg.tt_name("LlamaForCausalLM") == "TTLlamaForCausalLM"
+    assert reg.tt_name("TTLlamaForCausalLM") == "TTLlamaForCausalLM"
+
+
+def test_unknown_architecture_names_the_declared_and_lists_the_registered():
+    registry = build_registry("torch", {})
+    with pytest.raises(UnknownArchitecture) as e:
+        registry.resolve(["GPT2LMHeadModel", "FalconForCausalLM"])
+    message = str(e.value)
+    assert "GPT2LMHeadModel, FalconForCausalLM" in message and "torch backend" in message
+    assert f"registered: {', '.join(TORCH_NAMES)}" in message
+    with pytest.raises(UnknownArchitecture, match=r"none declared"):
+        registry.resolve([])
+    assert isinstance(e.value, RegistryError) and isinstance(e.value, ValueError)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(RegistryError, match="backend 'cuda'.*torch, ttnn"):
+        build_registry("cuda", {})
+
+
+# --- ttnn: lazy tt-metal entries and the Galaxy selectors ------------------------------------
+
+TT_TRANSFORMERS = "models.tt_transformers.tt.generator_vllm"
+GALAXY = "models.demos.llama3_70b_galaxy.tt.generator_vllm"
+
+
+def test_ttnn_entries_are_listed_without_importing_tt_metal():
+    registry = build_registry("ttnn", {})
+    assert {"TTLlamaForCausalLM", "TTQwen2ForCausalLM", "TTQwen3ForCausalLM", "TTMistralForCausalLM",
+            "TTGptOssForCausalLM", "TTDeepseekV3ForCausalLM"} == set(registry.names())
+    assert all(isinstance(e.target, str) for e in registry.entries.values())
+    assert not [m for m in sys.modules if m == "models" or m.startswith("models.")]
+    # Selecting one imports it: tt-metal is absent here, which is a clear error naming the module.
+    with pytest.raises(ModelLoadError) as e:
+        registry.resolve(["LlamaForCausalLM"])
+    assert f"{TT_TRANSFORMERS}:LlamaForCausalLM" in str(e.value) and "tt-metal" in str(e.value)
+
+
+@pytest.mark.parametrize("env, name, target", [
+    ({}, "TTLlamaForCausalLM", f"{TT_TRANSFORMERS}:LlamaForCausalLM"),
+    ({"TT_LLAMA_TEXT_VER": "tt_transformers"}, "TTLlamaForCausalLM", f"{TT_TRANSFORMERS}:LlamaForCausalLM"),
+    ({"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy"}, "TTLlamaForCausalLM", f"{GALAXY}:LlamaForCausalLM"),
+    ({"TT_LLAMA_TEXT_VER": "llama2_70b"}, "TTLlamaForCausalLM",
+     "models.demos.t3000.llama2_70b.tt.generator_vllm:TtLlamaForCausalLM"),
+    ({}, "TTQwen3ForCausalLM", f"{TT_TRANSFORMERS}:QwenForCausalLM"),
+    ({"TT_QWEN3_TEXT_VER": "qwen3_32b_galaxy"}, "TTQwen3ForCausalLM", f"{GALAXY}:QwenForCausalLM"),
+    # A selector switches only its own family.
+    ({"TT_QWEN3_TEXT_VER": "qwen3_32b_galaxy"}, "TTQwen2ForCausalLM", f"{TT_TRANSFORMERS}:QwenForCausalLM"),
+    ({"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy"}, "TTMistralForCausalLM",
+     f"{TT_TRANSFORMERS}:MistralForCausalLM"),
+])
+def test_selectors_switch_the_galaxy_classes(env, name, target):
+    entry = build_registry("ttnn", env).entries[name]
+    assert entry.target == target
+
+
+def test_selectors_leave_the_torch_reference_models_alone():
+    registry = build_registry("torch", {"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy"})
+    assert registry.resolve(["LlamaForCausalLM"])[1] is TorchLlamaForCausalLM
+
+
+@pytest.mark.parametrize("var, value, allowed", [
+    ("TT_LLAMA_TEXT_VER", "llama3_70b", "tt_transformers, llama3_70b_galaxy, llama2_70b"),
+    ("TT_QWEN3_TEXT_VER", "qwen3_galaxy", "tt_transformers, qwen3_32b_galaxy"),
+])
+def test_an_unknown_selector_value_names_the_allowed_ones(var, value, allowed):
+    with pytest.raises(RegistryError) as e:
+        build_registry("ttnn", {var: value})
+    assert f"{var}={value!r}" in str(e.value) and allowed in str(e.value)
+
+
+def test_the_selected_tt_metal_class_is_imported_when_resolved(tmp_path, monkeypatch):
+    """A stand-in tt-metal tree on sys.path: only the chosen module is imported."""
+    root = tmp_path / "tt-metal"
+    for module in (TT_TRANSFORMERS, GALAXY):
+        path = root / Path(*module.split("."))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".py").write_text(CONTRACT_CLASS.format(name="LlamaForCausalLM")
+                                           + CONTRACT_CLASS.format(name="QwenForCausalLM"))
+    monkeypatch.syspath_prepend(str(root))
+    registry = build_registry("ttnn", {"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy"})
+    arch, cls = registry.resolve(["LlamaForCausalLM"])
+    assert (arch, cls.__module__, cls.__name__) == ("LlamaForCausalLM", GALAXY, "LlamaForCausalLM")
+    assert TT_TRANSFORMERS not in sys.modules
+    assert registry.entry("LlamaForCausalLM").variant == "llama3_70b_galaxy"
+
+
+# --- EXTRA_MODELS_DIR bundles ----------------------------------------------------------------
+
+def test_bundles_register_and_malformed_ones_are_skipped_with_one_warning_each(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    base = tmp_path / "bundles"
+    good = good_bundle(base, "a-good", "GoodChatForCausalLM", "good_chat_adapter", "GoodChat")
+    prefixed = good_bundle(base, "b-prefixed", "TTOtherForCausalLM", "other_adapter")
+    bad = {
+        "no-metadata": write_bundle(base, "no-metadata", None, {"x_adapter.py": "X = 1\n"}),
+        "invalid-json": write_bundle(base, "invalid-json", '{"arch": "BrokenForCausalLM",'),
+        "not-an-object": write_bundle(base, "not-an-object", '["BrokenForCausalLM"]'),
+        "missing-field": write_bundle(base, "missing-field", {"arch": "NoClassForCausalLM"}),
+        "bad-main-class": write_bundle(base, "bad-main-class",
+                                       {"arch": "ColonlessForCausalLM", "main_class": "adapter.Class"}),
+        "import-error": write_bundle(
+            base, "import-error", {"arch": "ImportFailsForCausalLM", "main_class": "import_fails_adapter:A"},
+            {"import_fails_adapter.py": "import ttnn_that_is_not_installed\n"}),
+        "syntax-error": write_bundle(
+            base, "syntax-error", {"arch": "SyntaxForCausalLM", "main_class": "syntax_adapter:A"},
+            {"syntax_adapter.py": "class A(:\n"}),
+        "missing-class": write_bundle(
+            base, "missing-class", {"arch": "MissingForCausalLM", "main_class": "missing_adapter:Absent"},
+            {"missing_adapter.py": CONTRACT_CLASS.format(name="Present")}),
+        "no-contract": write_bundle(
+            base, "no-contract", {"arch": "HalfForCausalLM", "main_class": "half_adapter:Half"},
+            {"half_adapter.py": "class Half:\n    def prefill_forward(self):\n        pass\n"}),
+        "z-duplicate": good_bundle(base, "z-duplicate", "GoodChatForCausalLM", "dup_adapter"),
+    }
+    (base / "README.txt").write_text("not a bundle\n")  # plain files and hidden folders are ignored
+    (base / ".cache").mkdir()
+
+    registry = build_registry("torch", {"EXTRA_MODELS_DIR": str(base)})
+
+    assert registry.names() == sorted(TORCH_NAMES + ["TTGoodChatForCausalLM", "TTOtherForCausalLM"])
+    arch, cls = registry.resolve(["GoodChatForCausalLM"])
+    assert (arch, cls.__name__, cls.__module__) == ("GoodChatForCausalLM", "GoodChat", "good_chat_adapter")
+    assert registry.resolve(["OtherForCausalLM"])[1].__module__ == "other_adapter"
+    assert registry.entry("GoodChatForCausalLM").source == str(good)
+    assert registry.entry("OtherForCausalLM").source == str(prefixed)
+    assert not warnings_naming(caplog, good) and not warnings_naming(caplog, prefixed)
+    expected = {
+        "no-metadata": "no vllm_metadata.json",
+        "invalid-json": "cannot read vllm_metadata.json",
+        "not-an-object": "must hold a JSON object",
+        "missing-field": "lacks 'main_class'",
+        "bad-main-class": "'main_class' must be \"module:Class\"",
+        "import-error": "ModuleNotFoundError: No module named 'ttnn_that_is_not_installed'",
+        "syntax-error": "SyntaxError",
+        "missing-class": "AttributeError",
+        "no-contract": "no initialize_vllm_model, allocate_kv_cache, decode_forward, read_decode_output, "
+                       "process_decode_output_host",
+        "z-duplicate": "TTGoodChatForCausalLM is already provided by bundle " + str(good),
+    }
+    for name, folder in bad.items():
+        found = warnings_naming(caplog, folder)
+        assert len(found) == 1, (name, found)
+        assert expected[name] in found[0], (name, found[0])
+        assert expected[name] in registry.skipped[str(folder)]
+    assert set(registry.skipped) == {str(f) for f in bad.values()}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "README" in r.getMessage()]
+
+
+def test_serving_the_architecture_of_a_broken_bundle_is_a_clear_error(tmp_path):
+    base = tmp_path / "bundles"
+    broken = write_bundle(base, "broken", {"arch": "BrokenForCausalLM", "main_class": "broken_adapter:B"},
+                          {"broken_adapter.py": "raise RuntimeError('needs a Galaxy')\n"})
+    registry = build_registry("torch", {"EXTRA_MODELS_DIR": str(base)})  # the worker still starts
+    with pytest.raises(ModelLoadError) as e:
+        registry.resolve(["BrokenForCausalLM"])
+    assert str(broken) in str(e.value) and "RuntimeError: needs a Galaxy" in str(e.value)
+    assert "TTBrokenForCausalLM" not in registry.names()
+    assert registry.resolve(["LlamaForCausalLM"])[1] is TorchLlamaForCausalLM  # others unaffected
+
+
+def test_a_bundle_overrides_the_builtin_of_its_architecture(tmp_path):
+    base = tmp_path / "bundles"
+    folder = good_bundle(base, "llama", "LlamaForCausalLM", "my_llama_adapter", "MyLlama")
+    registry = build_registry("torch", {"EXTRA_MODELS_DIR": str(base)})
+    assert registry.names() == TORCH_NAMES
+    assert registry.resolve(["LlamaForCausalLM"])[1].__name__ == "MyLlama"
+    assert registry.entry("LlamaForCausalLM").source == str(folder)
+
+
+def test_several_bundle_dirs_earlier_ones_win_and_a_missing_dir_is_a_warning(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    first, second, missing = tmp_path / "one", tmp_path / "two", tmp_path / "absent"
+    good_bundle(first, "x", "SharedForCausalLM", "shared_first_adapter", "First")
+    good_bundle(second, "x", "SharedForCausalLM", "shared_second_adapter", "Second")
+    good_bundle(second, "y", "OnlyTwoForCausalLM", "only_two_adapter")
+    env = {"EXTRA_MODELS_DIR": os.pathsep.join([str(missing), str(first), str(second)])}
+    registry = build_registry("torch", env)
+    assert registry.resolve(["SharedForCausalLM"])[1].__name__ == "First"
+    assert "TTOnlyTwoForCausalLM" in registry.names()
+    assert len(warnings_naming(caplog, missing)) == 1
+    assert len(warnings_naming(caplog, second / "x")) == 1
+
+
+def test_bundle_modules_of_the_same_name_do_not_silently_share_one_class(tmp_path, caplog):
+    """Both bundles ship adapter_same.py: the second would import the first's module from
+    sys.modules and serve the wrong class; it is skipped instead."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    base = tmp_path / "bundles"
+    good_bundle(base, "a", "AlphaForCausalLM", "adapter_same", "Alpha")
+    clash = good_bundle(base, "b", "BetaForCausalLM", "adapter_same", "Beta")
+    registry = build_registry("torch", {"EXTRA_MODELS_DIR": str(base)})
+    assert registry.resolve(["AlphaForCausalLM"])[1].__name__ == "Alpha"
+    [warning] = warnings_naming(caplog, clash)
+    assert "'adapter_same' is shadowed by" in warning
+    with pytest.raises(ModelLoadError, match="shadowed"):
+        registry.resolve(["BetaForCausalLM"])
+
+
+def test_a_bundle_may_name_an_installed_module(tmp_path):
+    base = tmp_path / "bundles"
+    write_bundle(base, "alias", {"arch": "AliasForCausalLM",
+                                 "main_class": "ttserve.worker.models.llama:TorchQwen2ForCausalLM"})
+    registry = build_registry("torch", {"EXTRA_MODELS_DIR": str(base)})
+    assert registry.resolve(["AliasForCausalLM"])[1] is TorchQwen2ForCausalLM
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", " no "])
+def test_builtin_models_off_leaves_only_the_bundles(tmp_path, value):
+    base = tmp_path / "bundles"
+    good_bundle(base, "only", "OnlyForCausalLM", "only_adapter")
+    for backend in ("torch", "ttnn"):
+        registry = build_registry(backend, {"EXTRA_MODELS_DIR": str(base), "TT_VLLM_BUILTIN_MODELS": value,
+                                            "TT_LLAMA_TEXT_VER": "llama3_70b_galaxy"})
+        assert registry.names() == ["TTOnlyForCausalLM"]
+        with pytest.raises(UnknownArchitecture, match=r"registered: TTOnlyForCausalLM$"):
+            registry.resolve(["LlamaForCausalLM"])
+
+
+@pytest.mark.parametrize("value", ["1", "true", ""])
+def test_builtin_models_stay_on_otherwise(value):
+    assert build_registry("torch", {"TT_VLLM_BUILTIN_MODELS": value}).names() == TORCH_NAMES
+
+
+def test_skipped_bundles_are_mentioned_when_nothing_matches(tmp_path):
+    base = tmp_path / "bundles"
+    write_bundle(base, "empty", {})
+    with pytest.raises(UnknownArchitecture, match=r"1 bundle\(s\) under EXTRA_MODELS_DIR were skipped"):
+        build_registry("torch", {"EXTRA_MODELS_DIR": str(base)}).resolve(["NewForCausalLM"])
+
+
+# --- end to end: a bundle-provided model served by a real worker ------------------------------
+
+TINYCHAT_ADAPTER = '''"""SmolLM2's weights under a new architecture name, from an EXTRA_MODELS_DIR bundle."""
+from ttserve.worker.models.llama import TorchLlamaForCausalLM
+
+
+class TinyChatForCausalLM(TorchLlamaForCausalLM):
+    """The torch reference Llama under the architecture TinyChatForCausalLM."""
+'''
+
+
+def tinychat_checkpoint(smollm2: Path, folder: Path) -> Path:
+    """A copy of the SmolLM2 folder declaring TinyChatForCausalLM; the weights are symlinked."""
+    folder.mkdir()
+    for item in smollm2.iterdir():
+        if item.suffix == ".safetensors":
+            (folder / item.name).symlink_to(item.resolve())
+        elif item.is_file():
+            shutil.copy2(item, folder / item.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["TinyChatForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def reference_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens of the built-in reference model, driven in-process through the contract."""
+    import torch
+
+    config = json.loads((model_dir / "config.json").read_text())
+    model = TorchLlamaForCausalLM.initialize_vllm_model(
+        config, torch.device("cpu"), 1, 128, model_path=str(model_dir))
+    s = model.shape
+    block = 64
+    kv = model.allocate_kv_cache((2, s.num_kv_heads, block, s.head_dim), torch.float32, s.num_layers)
+    page_table = torch.tensor([[0, 1]], dtype=torch.int32)
+    logits = model.prefill_forward(torch.tensor([prompt]), page_table, kv, [len(prompt)])
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < new_tokens:
+        position = len(prompt) + len(out) - 1
+        logits = model.decode_forward(torch.tensor([[out[-1]]]), torch.tensor([position]), page_table, kv)
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.e2e
+def test_bundle_model_end_to_end(tmp_path, smollm2):
+    from stack import start_stack
+    from ttserve.client import EngineClient
+
+    bundles = tmp_path / "bundles"
+    write_bundle(bundles, "tinychat", {"arch": "TinyChatForCausalLM",
+                                       "main_class": "tinychat_adapter:TinyChatForCausalLM"},
+                 {"tinychat_adapter.py": TINYCHAT_ADAPTER})
+    model = tinychat_checkpoint(smollm2, tmp_path / "TinyChat-135M")
+    prompt, new_tokens = [1, 504, 3458, 282, 4649, 314], 12
+
+    stack = start_stack(tmp_path, str(model), gateway=False, env={"EXTRA_MODELS_DIR": str(bundles)},
+                        control_flags=("--max-num-seqs", "2"),
+                        worker_flags=("--kv-cache-memory-bytes", str(64 << 20)))
+    try:
+        client = EngineClient(stack.control_address)
+        try:
+            assert client.model_info().architecture == "TinyChatForCausalLM"
+            client.add("tiny", prompt, new_tokens, ignore_eos=True)
+            served = client.collect({"tiny"})["tiny"].token_ids
+        finally:
+            client.close()
+    finally:
+        stack.stop()
+    assert served == reference_greedy(smollm2, prompt, new_tokens), stack.logs()

@@ -1,0 +1,467 @@
+"""The production backend: a ttnn mesh on Tenstorrent chips, and tt-metal models driven through
+the generator contract (`initialize_vllm_model`, `warmup_model_prefill/decode`,
+`prefill_forward`, `decode_forward`, `read_decode_output`, `process_decode_output_host`).
+
+The order that matters, and who owns it here:
+- start-up: `probe_chips` (a child process, bounded in time) -> `open_mesh`: the fabric is set
+  before the mesh opens; `close_mesh`: submeshes, then the mesh, then the fabric reset.
+- warmup (`TtnnBackend.warmup`): every shape is compiled untraced first, then traces are captured,
+  so no program-cache allocation happens while a trace is live.
+- async decode (`launch_decode` / `finish_decode`): `decode_forward(read_from_device=False)` ->
+  `read_decode_output(async_read=True)` -> `ttnn.event_synchronize` per event ->
+  `process_decode_output_host`; at most two decodes in flight.
+
+ttnn is imported only when a device is used: this module loads on any host, and its names are
+those of ttnn 0.81.1. Nothing here imports torch or other ttserve modules than mesh and options.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from .mesh import MeshError, MeshSpec, fabric_for, parse_visible_devices
+from .options import DEFAULT_TRACE_REGION_SIZE, TraceFlags, device_sampling, trace_flags
+
+log = logging.getLogger(__name__)
+
+DEVICE_DIR = "/dev/tenstorrent"   # the kernel driver's nodes, one per PCIe device id
+PROBE_TIMEOUT_S = 60.0            # a Galaxy's cluster discovery takes seconds, a hung chip forever
+MAX_DECODES_IN_FLIGHT = 2
+GALAXY_CLUSTERS = ("GALAXY", "TG", "BLACKHOLE_GALAXY")
+
+Progress = Callable[[str, int, int, str], None]  # phase, completed, total, detail
+
+
+class TtnnUnavailable(RuntimeError):
+    """ttnn cannot run here (not importable, or no chips); the message is one line."""
+
+
+class DeviceError(RuntimeError):
+    """A ttnn call failed; the message says which and why, in one line."""
+
+
+class MeshOpenError(DeviceError):
+    """The mesh did not open (a busy or unhealthy chip, a bad device parameter)."""
+
+
+class TraceRegionError(DeviceError):
+    """A trace needs more room than tt.trace_region_size gives it."""
+
+
+class ModelContractError(TypeError):
+    """The model class lacks or misnames a part of the generator contract."""
+
+
+# ---- is there anything to run on? ------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ChipProbe:
+    ok: bool
+    reason: str                 # why not, or what was found
+    num_devices: int = 0        # what ttnn reports (already narrowed by TT_VISIBLE_DEVICES)
+    arch: str | None = None     # ttnn's arch name, e.g. "wormhole_b0", "blackhole"
+    is_galaxy: bool = False
+
+
+_PROBE_MARK = "TTSERVE_PROBE "
+_PROBE_SCRIPT = f"""
+import json
+def answer(**fields):
+    print({_PROBE_MARK!r} + json.dumps(fields), flush=True)
+try:
+    import ttnn
+except Exception as e:
+    answer(error="import ttnn failed: " + type(e).__name__ + ": " + str(e))
+    raise SystemExit(0)
+try:
+    n = int(ttnn.GetNumAvailableDevices())
+    arch = str(ttnn.get_arch_name())
+    cluster = ttnn.cluster.get_cluster_type().name
+except Exception as e:
+    answer(error=str(e))
+else:
+    answer(num_devices=n, arch=arch, cluster=cluster)
+"""
+
+
+def probe(timeout_s: float = PROBE_TIMEOUT_S, device_dir: str | None = DEVICE_DIR) -> tuple[bool, str]:
+    """Whether ttnn imports and sees chips here, and why not. Never hangs: see `probe_chips`."""
+    found = probe_chips(timeout_s, device_dir)
+    return found.ok, found.reason
+
+
+def probe_chips(timeout_s: float = PROBE_TIMEOUT_S, device_dir: str | None = DEVICE_DIR) -> ChipProbe:
+    """What ttnn sees on this host, asked in a child process that is killed after `timeout_s`.
+
+    Cheap checks first: without a ttnn module or without driver device nodes under `device_dir`
+    (None skips that check) the answer comes without starting anything. The child process keeps
+    a hung chip or driver from hanging the worker, and keeps ttnn's cluster state out of it.
+    """
+    if importlib.util.find_spec("ttnn") is None:
+        return ChipProbe(False, f"ttnn is not installed for this Python "
+                                f"({sys.version_info.major}.{sys.version_info.minor}); "
+                                "ttnn wheels exist for Python 3.10 and 3.12")
+    if device_dir is not None and not os.environ.get("TT_METAL_SIMULATOR"):
+        refusal = _device_nodes_refusal(device_dir)
+        if refusal:
+            return ChipProbe(False, refusal)
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE_SCRIPT], capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return ChipProbe(False, f"ttnn did not answer within {timeout_s:.0f} s: a chip or its driver "
+                                "may be hung (tt-smi -r resets the chips)")
+    answer = next((json.loads(line[len(_PROBE_MARK):]) for line in reversed(done.stdout.splitlines())
+                   if line.startswith(_PROBE_MARK)), None)
+    if answer is None:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return ChipProbe(False, f"the ttnn probe exited with status {done.returncode}: {tail}")
+    if "error" in answer:
+        return ChipProbe(False, _chips_problem(answer["error"]))
+    if answer["num_devices"] < 1:
+        return ChipProbe(False, "no Tenstorrent chips detected on this host (ttnn counts 0 devices)")
+    return ChipProbe(True, f"{answer['num_devices']} {answer['arch']} chip(s), cluster {answer['cluster']}",
+                     answer["num_devices"], answer["arch"], answer["cluster"] in GALAXY_CLUSTERS)
+
+
+def require_chips(timeout_s: float = PROBE_TIMEOUT_S, device_dir: str | None = DEVICE_DIR) -> ChipProbe:
+    """`probe_chips`, raising the one-line start-up failure when there is nothing to run on."""
+    found = probe_chips(timeout_s, device_dir)
+    if not found.ok:
+        raise TtnnUnavailable(unavailable_message(found.reason))
+    return found
+
+
+def unavailable_message(reason: str) -> str:
+    return f"ttnn backend: {reason}; use --backend torch or sim"
+
+
+def _device_nodes_refusal(device_dir: str) -> str | None:
+    try:
+        nodes = sorted(int(n) for n in os.listdir(device_dir) if n.isdigit())
+    except OSError:
+        nodes = []
+    if not nodes:
+        return f"no Tenstorrent chips detected on this host (no devices under {device_dir})"
+    try:
+        visible = parse_visible_devices(os.environ.get("TT_VISIBLE_DEVICES"))
+    except MeshError as e:
+        return str(e)
+    missing = sorted(set(visible or []) - set(nodes))
+    if missing:
+        return (f"TT_VISIBLE_DEVICES names device(s) {','.join(map(str, missing))}, but this host has "
+                f"{','.join(map(str, nodes))} under {device_dir}")
+    return None
+
+
+def _chips_problem(error: str) -> str:
+    detail = _one_line(error)
+    if "no chips detected" in error.lower():
+        return f"no Tenstorrent chips detected on this host (ttnn: {detail})"
+    return f"ttnn cannot use the chips on this host ({detail})"
+
+
+def _one_line(error: BaseException | str) -> str:
+    """The line of a tt-metal error that says what went wrong (TT_FATAL puts it after "info:")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if "info:" in lines and lines.index("info:") + 1 < len(lines):
+        return lines[lines.index("info:") + 1]
+    return lines[0] if lines else type(error).__name__
+
+
+# ---- the mesh --------------------------------------------------------------------------------
+
+def device_params(options: Mapping[str, Any]) -> dict[str, int]:
+    """`open_mesh_device` keyword arguments from the tt options.
+
+    The trace region is reserved only when some step kind is traced (default 50,000,000 bytes).
+    """
+    params = {}
+    if trace_flags(options).any:
+        params["trace_region_size"] = int(options.get("trace_region_size", DEFAULT_TRACE_REGION_SIZE))
+    for key in ("worker_l1_size", "l1_small_size"):
+        if key in options:
+            params[key] = int(options[key])
+    return params
+
+
+def open_mesh(spec: MeshSpec, options: Mapping[str, Any], *, ttnn: Any = None) -> Any:
+    """Opens `spec` as one ttnn mesh device; the fabric is configured before the mesh opens."""
+    t = _load_ttnn(ttnn)
+    requested = options.get("fabric_config")
+    fabric = fabric_for(spec, requested)
+    if requested not in (None, "DISABLED") and fabric is None:
+        log.warning("tt.fabric_config=%s ignored: %s is a single device", requested, spec.name)
+    if fabric:
+        reliability = options.get("fabric_reliability_mode", "STRICT_INIT")
+        log.info("fabric %s (%s) for mesh %s", fabric, reliability, spec.name)
+        with _device_errors(f"setting fabric {fabric}", MeshOpenError):
+            t.set_fabric_config(_member(t, "FabricConfig", fabric, "fabric_config"),
+                                _member(t, "FabricReliabilityMode", reliability, "fabric_reliability_mode"))
+    try:
+        kwargs: dict[str, Any] = device_params(options)
+        axis = options.get("dispatch_core_axis")
+        with _device_errors(f"opening mesh {spec.name} ({spec.rows}x{spec.cols})", MeshOpenError):
+            if axis:
+                # 0.81.1 builds the dispatch config against the cluster: after the fabric is set.
+                kwargs["dispatch_core_config"] = t.DispatchCoreConfig(
+                    axis=t.DispatchCoreAxis.COL if axis == "col" else t.DispatchCoreAxis.ROW)
+            mesh = t.open_mesh_device(t.MeshShape(spec.rows, spec.cols), **kwargs)
+    except BaseException:
+        if fabric:
+            _reset_fabric_quietly(t)
+        raise
+    log.info("opened mesh %s (%dx%d): %s", spec.name, spec.rows, spec.cols,
+             ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "default device parameters")
+    return mesh
+
+
+def close_mesh(mesh: Any, *, reset_fabric: bool | None = None, ttnn: Any = None) -> None:
+    """Closes submeshes, then the mesh, then resets the fabric (by default when multi-device)."""
+    t = _load_ttnn(ttnn)
+    if reset_fabric is None:
+        reset_fabric = mesh.get_num_devices() > 1
+    if hasattr(t, "ReadDeviceProfiler"):
+        t.ReadDeviceProfiler(mesh)   # flushes device profiling; a no-op in builds without it
+    for submesh in mesh.get_submeshes():
+        t.close_mesh_device(submesh)
+    t.close_mesh_device(mesh)
+    if reset_fabric:
+        t.set_fabric_config(t.FabricConfig.DISABLED)
+
+
+def _reset_fabric_quietly(t: Any) -> None:
+    try:
+        t.set_fabric_config(t.FabricConfig.DISABLED)
+    except Exception as e:  # the original failure is the one to report
+        log.debug("fabric reset after a failed open also failed: %s", _one_line(e))
+
+
+def _member(t: Any, enum: str, name: str, option: str) -> Any:
+    try:
+        return getattr(getattr(t, enum), name)
+    except AttributeError:
+        raise MeshOpenError(f"tt.{option} = {name!r} is not a ttnn.{enum} of this ttnn "
+                            f"({getattr(t, '__version__', 'unknown version')})") from None
+
+
+@contextmanager
+def _device_errors(doing: str, error: type[DeviceError] = DeviceError) -> Iterator[None]:
+    """Turns ttnn's multi-line RuntimeErrors into one-line errors of a specific type."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, (TtnnUnavailable, DeviceError)):
+            raise
+        text = str(e)
+        if "no chips detected" in text.lower():
+            raise TtnnUnavailable(unavailable_message(_chips_problem(text))) from None
+        trace = _TRACE_REGION.search(text)
+        if trace:
+            need, have = int(trace.group(1)), int(trace.group(2))
+            raise TraceRegionError(
+                f"{doing}: a trace needs {need:,} bytes but the trace region holds {have:,}; "
+                f"set --additional-config.tt.trace_region_size {need} or more") from None
+        raise error(f"{doing}: {_one_line(e)}") from e
+
+
+_TRACE_REGION = re.compile(r"trace buffers of size (\d+)B.*?only (\d+)B is allocated for trace region",
+                           re.S)
+
+
+def _load_ttnn(module: Any) -> Any:
+    """The given ttnn module (tests pass a fake), else the real one (a sys.modules patch works)."""
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module("ttnn")
+    except ImportError as e:
+        raise TtnnUnavailable(unavailable_message(f"ttnn is not importable ({e})")) from None
+
+
+# ---- driving a tt-metal model ------------------------------------------------------------------
+
+@dataclass(slots=True)
+class PendingDecode:
+    """A decode launched on the device whose readback is under way."""
+    host_out: Any          # host tensors being filled by the non-blocking readback
+    events: list[Any]      # ttnn events to synchronize before host_out is complete
+    is_tokens: bool        # sampled on the device (token ids), else logits
+    launched_at: float
+
+
+class TtnnBackend:
+    """One mesh and the rules for driving tt-metal models on it (traces, warmup, async decode).
+
+    The runner keeps the model, KV cache and page tables; it asks this object how to call them.
+    """
+
+    name = "ttnn"
+
+    def __init__(self, spec: MeshSpec, options: Mapping[str, Any], *, ttnn: Any = None) -> None:
+        self.spec = spec
+        self.options = dict(options)
+        self.trace: TraceFlags = trace_flags(self.options)
+        self.fabric = fabric_for(spec, self.options.get("fabric_config"))
+        self._ttnn_module = ttnn
+        self.mesh: Any = None
+        self._in_flight = 0
+
+    @property
+    def ttnn(self) -> Any:
+        return _load_ttnn(self._ttnn_module)
+
+    # ---- life of the mesh ----
+    def open(self) -> Any:
+        assert self.mesh is None, "mesh already open"
+        self.mesh = open_mesh(self.spec, self.options, ttnn=self._ttnn_module)
+        return self.mesh
+
+    def close(self) -> None:
+        """Closes the mesh. Release the model (and its traces) first."""
+        if self.mesh is None:
+            return
+        mesh, self.mesh = self.mesh, None
+        close_mesh(mesh, reset_fabric=self.fabric is not None, ttnn=self._ttnn_module)
+
+    # ---- model and KV cache ----
+    def initialize_model(self, model_cls: type, hf_config: Any, *, max_batch_size: int,
+                         max_seq_len: int, tt_data_parallel: int = 1) -> Any:
+        """`model_cls.initialize_vllm_model` on this mesh.
+
+        `hf_config` is a transformers PretrainedConfig (tt-metal reads attributes such as
+        `_name_or_path`), see `hf_config_for`. `max_batch_size` is the whole mesh's rows: every
+        lane's capacity together; tt-metal gives each of the `tt_data_parallel` submeshes an
+        equal share.
+        """
+        assert self.mesh is not None, "open() the mesh before initializing a model"
+        kwargs: dict[str, Any] = {"max_seq_len": max_seq_len, "tt_data_parallel": tt_data_parallel}
+        needed = {"max_seq_len"}
+        if tt_data_parallel != 1:
+            needed.add("tt_data_parallel")
+        if "optimizations" in self.options:
+            kwargs["optimizations"] = self.options["optimizations"]
+            needed.add("optimizations")
+        init = model_cls.initialize_vllm_model
+        return _call_accepting(init, f"{model_cls.__name__}.initialize_vllm_model", kwargs, needed,
+                               hf_config, self.mesh, max_batch_size)
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                       num_lanes: int = 1) -> tuple[int, int, int, int]:
+        """The per-layer K (and V) shape `allocate_kv_cache` takes: KV heads split over a lane's chips."""
+        devices_per_lane = max(1, self.spec.num_devices // num_lanes)
+        return (num_blocks, num_kv_heads // min(devices_per_lane, num_kv_heads), block_size, head_dim)
+
+    # ---- warmup ----
+    def warmup(self, model: Any, kv_cache: Any, *, max_batch_size: int, num_blocks: int,
+               progress: Progress | None = None) -> None:
+        """Compiles every shape untraced, then captures the traces that `trace_mode` asks for.
+
+        `max_batch_size` is the mesh's decode rows (all lanes); `num_blocks` the page-table width
+        (min(ceil(max_model_len / block_size), blocks in the KV cache)).
+        """
+        report = progress or (lambda *_: None)
+        if not self.options.get("enable_model_warmup", True):
+            log.warning("tt.enable_model_warmup is false: the first requests compile%s",
+                        " and capture traces while serving" if self.trace.any else "")
+            return
+        prefill = {"kv_cache": kv_cache, "can_sample_on_device": device_sampling(self.options, "prefill")}
+        decode = {"kv_cache": kv_cache, "max_batch_size": max_batch_size, "num_blocks": num_blocks,
+                  "can_sample_on_device": device_sampling(self.options, "decode")}
+        steps = [("compile", "prefill", False), ("compile", "decode", False)]
+        steps += [("capture", "prefill", True)] if self.trace.prefill else []
+        steps += [("capture", "decode", True)] if self.trace.decode else []
+        started = time.perf_counter()
+        for done, (phase, kind, enable_trace) in enumerate(steps):
+            report("warmup", done, len(steps), f"{phase} {kind}")
+            if phase == "capture" and kind == "prefill" and hasattr(model, "already_warmed_up_prefill"):
+                # tt-metal's Generator runs its prefill warmup once; the capture pass must run again.
+                model.already_warmed_up_prefill = False
+            method = getattr(model, f"warmup_model_{kind}")
+            kwargs = {**(prefill if kind == "prefill" else decode), "enable_trace": enable_trace}
+            with _device_errors(f"warmup ({phase} {kind})"):
+                _call_accepting(method, f"{type(model).__name__}.warmup_model_{kind}", kwargs,
+                                {"enable_trace"})
+        report("warmup", len(steps), len(steps), f"done in {time.perf_counter() - started:.1f} s")
+
+    # ---- steps ----
+    def prefill(self, model: Any, **kwargs: Any) -> Any:
+        """`prefill_forward` with this mesh's prefill trace flag (tokens, page_table, kv_cache,
+        prompt_lens, start_pos, sampling_params, empty_slots as the contract names them)."""
+        with _device_errors("prefill"):
+            return model.prefill_forward(**kwargs, enable_trace=self.trace.prefill)
+
+    def decode(self, model: Any, *, sampling_params: Any = None, **kwargs: Any) -> Any:
+        """A decode step read back before returning: token ids [rows] when `sampling_params`
+        asks the device to sample, else logits."""
+        with _device_errors("decode"):
+            out = model.decode_forward(**kwargs, sampling_params=sampling_params,
+                                       enable_trace=self.trace.decode, read_from_device=False)
+            host = model.read_decode_output(out, async_read=False)
+            return model.process_decode_output_host(host, is_tokens=sampling_params is not None)
+
+    def launch_decode(self, model: Any, *, sampling_params: Any = None, **kwargs: Any) -> PendingDecode:
+        """Starts a decode step and its non-blocking readback; finish it with `finish_decode`."""
+        assert self._in_flight < MAX_DECODES_IN_FLIGHT, "finish a decode before launching a third"
+        with _device_errors("decode"):
+            out = model.decode_forward(**kwargs, sampling_params=sampling_params,
+                                       enable_trace=self.trace.decode, read_from_device=False)
+            host_out, events = model.read_decode_output(out, async_read=True)
+        self._in_flight += 1
+        return PendingDecode(host_out, list(events), sampling_params is not None, time.perf_counter())
+
+    def finish_decode(self, model: Any, pending: PendingDecode) -> Any:
+        """Waits for the readback of `pending` and returns its host result."""
+        assert self._in_flight > 0, "finish_decode without a launched decode"
+        self._in_flight -= 1
+        with _device_errors("decode readback"):
+            for event in pending.events:
+                self.ttnn.event_synchronize(event)
+            return model.process_decode_output_host(pending.host_out, is_tokens=pending.is_tokens)
+
+    @property
+    def decodes_in_flight(self) -> int:
+        return self._in_flight
+
+
+def hf_config_for(model_path: Any) -> Any:
+    """The checkpoint's transformers config, as tt-metal's initialize_vllm_model expects."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(str(model_path))
+
+
+def _call_accepting(fn: Callable[..., Any], what: str, kwargs: dict[str, Any], needed: set[str],
+                    *args: Any) -> Any:
+    """Calls `fn` with the keywords it declares (all of them if it takes **kwargs).
+
+    tt-metal's models differ in which optional keywords they take; a keyword in `needed` that
+    `fn` does not take, or a required parameter ttserve cannot fill, is a contract error.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    params = signature.parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        missing = sorted(k for k in needed if k not in params)
+        if missing:
+            raise ModelContractError(f"{what}{signature} takes no {', '.join(missing)}")
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+        if "non_greedy_decoding_on_device" in params and "can_sample_on_device" in kwargs:
+            kwargs["non_greedy_decoding_on_device"] = kwargs["can_sample_on_device"]  # older tt-metal
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise ModelContractError(f"{what}{signature}: {e}") from None
+    return fn(*args, **kwargs)
