@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefill steps in a row while decodes wait: bounds the stall of streaming "
                         "requests during bursts of long prompts (benchmarks/phase_policy.py: 2 "
                         "cuts the worst stall 15x for +5%% burst TTFT against unbounded)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="pipeline decode steps (two in flight) when the worker supports async "
+                        "decode; default: whenever it does")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="lanes (data-parallel KV caches) per worker; --max-num-seqs is per lane")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
@@ -61,6 +64,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,
+                        async_scheduling=args.async_scheduling,
                         max_consecutive_prefills=args.max_consecutive_prefill_steps)
 
 

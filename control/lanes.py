@@ -56,6 +56,18 @@ class LaneGroup:
         self.policy.record(kind, has_decodes)
         return GroupPlan(kind, plans)
 
+    def followup(self, previous: GroupPlan) -> GroupPlan | None:
+        """The next decode step of an unchanged group, before `previous` returns (async
+        decode); None when any lane needs the pipeline drained."""
+        if previous.kind is not StepKind.DECODE:
+            return None
+        dry = [lane.followup(p, commit=False) for lane, p in zip(self.lanes, previous.lanes)]
+        if any(p is None for p in dry) or not any(p.decode for p in dry):
+            return None
+        plans = [lane.followup(p) for lane, p in zip(self.lanes, previous.lanes)]
+        self.policy.record(StepKind.DECODE, True)
+        return GroupPlan(StepKind.DECODE, plans)
+
     def update(self, plan: GroupPlan, sampled: dict[str, int]) -> list[Request]:
         changed: list[Request] = []
         for lane, lane_plan in zip(self.lanes, plan.lanes):

@@ -125,6 +125,47 @@ class Scheduler:
         self._released = []
         return plan
 
+    def followup(self, previous: StepPlan, commit: bool = True) -> StepPlan | None:
+        """The next decode step of an unchanged batch, planned before `previous` has returned
+        (async decode), or None when the pipeline must drain first.
+
+        Each request feeds the token the worker sampled in `previous` (still on the device) one
+        position further. It holds only while nothing else wants the lane (no prefill, no new
+        decoder), no request needs the host sampler, and blocks are free without preempting.
+        Requests that `previous` will certainly finish (max_tokens, max_model_len) drop out;
+        ones it finishes by a stop token are dropped when its result arrives (rows go empty:
+        the traced shape does not change). With commit=False nothing changes: the answer says
+        whether a committed call (with no events between) would succeed.
+        """
+        if self.wants_prefill():
+            return None
+        carried = [w for w in previous.decode if w.request.status is RequestStatus.RUNNING]
+        if {id(w.request) for w in carried} != {id(r) for r in self.running if not r.is_prefilling}:
+            return None
+        plan = StepPlan(kind=StepKind.DECODE, lane=self.lane)
+        needed = 0
+        for work in carried:
+            request, position = work.request, work.position + 1
+            in_flight = position - (request.num_tokens - 1)  # tokens sampled but not yet seen
+            if (len(request.output_token_ids) + in_flight >= request.sampling.max_tokens
+                    or position + 1 > self.config.max_model_len):
+                continue  # `previous` ends it
+            if request.sampling.min_tokens > len(request.output_token_ids) + in_flight:
+                return None  # the host sampler must mask its EOS: no device-resident pipeline
+            needed += max(self.pool.blocks_for(position + 1) - len(request.block_ids), 0)
+            plan.decode.append(DecodeWork(request, None, position, []))
+        if not self.pool.can_allocate(needed):
+            return None
+        if commit:
+            for work in plan.decode:
+                work.new_block_ids = self.pool.allocate(max(
+                    self.pool.blocks_for(work.position + 1) - len(work.request.block_ids), 0))
+                work.request.block_ids += work.new_block_ids
+            plan.released_ids, self._released = self._released, []
+        if not plan.decode:
+            plan.kind = StepKind.EMPTY
+        return plan
+
     def _set_aside(self) -> None:
         """Requests not ready to run (grammar compiling) wait aside; ready ones return to the
         front of the queue in their arrival order."""

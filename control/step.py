@@ -25,8 +25,8 @@ class PrefillWork:
 @dataclass(slots=True)
 class DecodeWork:
     request: Request
-    token_id: int               # the last token, fed at `position`
-    position: int
+    token_id: int | None        # the last token, fed at `position`; None: the token the worker
+    position: int               # sampled for this request in the step before (async decode)
     new_block_ids: list[int]
 
 

@@ -73,6 +73,7 @@ class WorkerDescription:
     single_execute_lanes: bool = False
     mixture_of_experts: bool = False
     mrope: bool = False
+    async_decode: bool = False
     num_blocks_per_lane: int = 0
     block_size: int = 0
     prefill_buckets: list[int] = field(default_factory=list)
@@ -87,15 +88,15 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         supports_chunked_prefill=d.capabilities.supports_chunked_prefill,
         supports_prefix_caching=d.capabilities.supports_prefix_caching,
         single_execute_lanes=d.capabilities.single_execute_lanes,
-        mixture_of_experts=d.mixture_of_experts, mrope=d.mrope,
+        mixture_of_experts=d.mixture_of_experts, mrope=d.mrope, async_decode=d.async_decode,
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
         prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size)
 
 
-def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan],
-                     max_num_seqs: int) -> device_pb2.StepBatch:
+def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_num_seqs: int,
+                     async_readback: bool = False) -> device_pb2.StepBatch:
     """The merged step batch of a lane group's slices (row = lane * max_num_seqs + slot)."""
-    batch = device_pb2.StepBatch(step_id=step_id, kind=_STEP_KIND[kind])
+    batch = device_pb2.StepBatch(step_id=step_id, kind=_STEP_KIND[kind], async_readback=async_readback)
     for plan in lanes:
         batch.released_request_ids.extend(plan.released_ids)
         for request in plan.new_requests:
@@ -105,8 +106,12 @@ def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan],
             batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
                               start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample)
         for work in plan.decode:
-            batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
-                             position=work.position, new_block_ids=work.new_block_ids)
+            if work.token_id is None:
+                batch.decode.add(request_id=work.request.request_id, use_previous_token=True,
+                                 position=work.position, new_block_ids=work.new_block_ids)
+            else:
+                batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
+                                 position=work.position, new_block_ids=work.new_block_ids)
     return batch
 
 

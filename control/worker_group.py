@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
 from .blocks import BlockPool
-from .lanes import LaneGroup
+from .lanes import GroupPlan, LaneGroup
 from .phase import PhasePolicy
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
+from .step import StepKind
 from .wire import WorkerDescription
 from .worker_link import WorkerError, WorkerLink
 
@@ -31,6 +33,7 @@ class EngineConfig:
     data_parallel_size: int = 1       # lanes per worker
     enable_prefix_caching: bool = False
     max_consecutive_prefills: int = 2
+    async_scheduling: bool | None = None  # None: whenever the worker supports async decode
     reconnect_interval_s: float = 1.0
 
 
@@ -58,6 +61,8 @@ class WorkerGroup:
         self.description: WorkerDescription | None = None
         self.not_ready_reason = f"connecting to the worker at {address}"
         self.num_steps = 0
+        self.async_decode = False
+        self.drains: Counter[str] = Counter()   # async-decode pipeline drains by reason
         self._wake = asyncio.Event()
 
     @property
@@ -116,6 +121,11 @@ class WorkerGroup:
         serving = limits(warm, warm.num_blocks_per_lane * warm.block_size)
         await link.open()
         self.description = warm
+        self.async_decode = warm.async_decode and self.config.async_scheduling is not False
+        if self.config.async_scheduling and not warm.async_decode:
+            log.warning("--async-scheduling: the worker at %s cannot pipeline decode steps (%s does "
+                        "not support async decode, or decode samples on the host); turned off",
+                        warm.address, warm.architecture)
         self.group = self._build_group(warm, num_lanes, serving.max_model_len, batched)
 
     def _lanes_for(self, d: WorkerDescription) -> int:
@@ -156,30 +166,53 @@ class WorkerGroup:
                            policy=PhasePolicy(c.max_consecutive_prefills)) for i in range(num_lanes)]
         log.info("lane group %d: worker %s [%s, %s] runs %d lane(s) x %d seqs %s; %d blocks x %d "
                  "tokens per lane; max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, "
-                 "prefix caching %s, prefill lengths %s", self.index, warm.address, warm.backend,
+                 "prefix caching %s, prefill lengths %s, async decode %s", self.index, warm.address, warm.backend,
                  warm.device, num_lanes, c.max_num_seqs,
                  "as one program (single-execute)" if warm.single_execute_lanes else "(independent group)",
                  warm.num_blocks_per_lane, warm.block_size, max_model_len, batched,
                  "on" if config.chunked_prefill else "off", "on" if caching else "off",
-                 warm.prefill_buckets or "any")
+                 warm.prefill_buckets or "any", "on" if self.async_decode else "off")
         return LaneGroup(lanes, PhasePolicy(c.max_consecutive_prefills))
 
     async def _step_loop(self, link: WorkerLink) -> None:
+        """Plan, send, apply. With async decode, a stable decode batch keeps two steps in
+        flight: step N+1 is planned and sent before N's result arrives, feeding N's tokens from
+        the device; anything else drains the pipeline (an empty flush) and steps one at a time."""
         group = self.group
         assert group is not None
         ended = asyncio.ensure_future(link.ended())
+        in_flight: deque[tuple[GroupPlan | None, bool]] = deque()  # (plan or flush, pipelined)
         try:
             while True:
-                plan = group.schedule() if group.has_work else None
-                if plan is None or not plan.has_work:
-                    # Nothing can run: only arrivals, aborts or grammars finishing change that.
-                    await self._idle(ended)
-                    continue
-                outcome = await link.step(plan, group.max_num_seqs)
-                self.num_steps += 1
-                self._publish(outcome.step_id, group.update(plan, outcome.sampled))
+                if not in_flight:
+                    plan = group.schedule() if group.has_work else None
+                    if plan is None or not plan.has_work:
+                        # Nothing can run: only arrivals, aborts or grammars finishing change that.
+                        await self._idle(ended)
+                        continue
+                    pipelined = self.async_decode and plan.kind is StepKind.DECODE
+                    await link.send(plan, group.max_num_seqs, pipelined)
+                    in_flight.append((plan, pipelined))
+                newest, pipelined = in_flight[-1]
+                if pipelined and len(in_flight) == 1:
+                    follow = group.followup(newest)
+                    if follow is None:
+                        self.drains[self._drain_reason(group)] += 1
+                    await link.send(follow, group.max_num_seqs, follow is not None)
+                    in_flight.append((follow, follow is not None))
+                outcome = await link.receive()
+                plan, _ = in_flight.popleft()
+                if plan is not None:
+                    self.num_steps += 1
+                    self._publish(outcome.step_id, group.update(plan, outcome.sampled))
         finally:
             ended.cancel()
+
+    @staticmethod
+    def _drain_reason(group: LaneGroup) -> str:
+        if any(lane.wants_prefill() for lane in group.lanes):
+            return "prefill"
+        return "batch_changed"
 
     async def _idle(self, ended: asyncio.Future[str]) -> None:
         """Wait for an arrival or abort; a worker lost meanwhile raises WorkerError."""

@@ -66,12 +66,23 @@ class WorkerLink:
         code = await self._stream.code()
         return f"worker at {self.address} went away ({code.name}: {await self._stream.details()})"
 
-    async def step(self, plan: GroupPlan, max_num_seqs: int) -> StepOutcome:
+    async def send(self, plan: GroupPlan | None, max_num_seqs: int, async_readback: bool = False) -> None:
+        """Send a step (None: an empty flush, which makes the worker return any result it holds)."""
         assert self._stream is not None, "open() the step stream first"
         step_id = self._next_step_id
         self._next_step_id += 1
+        batch = (device_pb2.StepBatch(step_id=step_id) if plan is None else
+                 step_batch_to_pb(step_id, plan.kind, plan.lanes, max_num_seqs, async_readback))
         try:
-            await self._stream.write(step_batch_to_pb(step_id, plan.kind, plan.lanes, max_num_seqs))
+            await self._stream.write(batch)
+        except grpc.aio.AioRpcError as e:
+            self._stream = None
+            raise WorkerError(f"worker at {self.address} failed: {e.details()}") from e
+
+    async def receive(self) -> StepOutcome:
+        """The next step result, in the order the steps were sent."""
+        assert self._stream is not None, "open() the step stream first"
+        try:
             result = await self._stream.read()
         except grpc.aio.AioRpcError as e:
             self._stream = None
@@ -81,8 +92,7 @@ class WorkerLink:
             raise WorkerError(f"worker at {self.address} closed the step stream")
         if result.error:
             self._stream = None
-            raise WorkerError(f"worker at {self.address} failed step {step_id}: {result.error}")
-        assert result.step_id == step_id, f"step {result.step_id} answered for {step_id}"
+            raise WorkerError(f"worker at {self.address} failed step {result.step_id}: {result.error}")
         return step_result_from_pb(result)
 
     async def close(self) -> None:

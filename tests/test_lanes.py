@@ -185,3 +185,71 @@ def test_mrope_in_lane_mode_is_refused():
     with pytest.raises(StartupError, match="mRoPE"):
         lanes_for(describe(mrope=True, single_execute_lanes=True), dp=2)
     assert lanes_for(describe(mrope=True, single_execute_lanes=True), dp=1) == 1
+
+
+# ---- async decode: two steps in flight ---------------------------------------------------------
+from collections import deque  # noqa: E402
+
+
+class FakeDevice:
+    """Tokens as a pure function of the fed token and its position; a decode item without a
+    token feeds the one this device sampled for the request in its previous step."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+
+    def run(self, plan) -> dict[str, int]:
+        out = {}
+        for lane_plan in plan.lanes:
+            for w in lane_plan.prefill:
+                if w.sample:
+                    out[w.request.request_id] = (w.request.all_token_ids[w.end - 1] * 7 + w.end) % 50 + 2
+            for w in lane_plan.decode:
+                fed = self.last[w.request.request_id] if w.token_id is None else w.token_id
+                out[w.request.request_id] = (fed * 7 + w.position + 1) % 50 + 2
+        self.last.update(out)
+        return out
+
+
+def drive(g: LaneGroup, requests: list[Request], pipelined: bool) -> tuple[dict, int]:
+    for i, r in enumerate(requests):
+        g.lanes[i % len(g.lanes)].add(r)
+    device, in_flight, drains = FakeDevice(), deque(), 0
+    for _ in range(5000):
+        if not in_flight:
+            if not g.has_work:
+                break
+            plan = g.schedule()
+            in_flight.append((plan, device.run(plan)))
+        if pipelined and in_flight[-1][0] is not None and in_flight[-1][0].kind is StepKind.DECODE \
+                and len(in_flight) == 1:
+            follow = g.followup(in_flight[-1][0])
+            drains += follow is None
+            in_flight.append((follow, device.run(follow) if follow else {}))
+        plan, sampled = in_flight.popleft()
+        if plan is not None:
+            g.update(plan, sampled)
+        for lane in g.lanes:
+            lane.pool.check()
+    assert not g.has_work
+    return {r.request_id: (r.output_token_ids, r.finish_reason) for r in requests}, drains
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 20), st.integers(1, 15), st.integers(0, 3)), min_size=1, max_size=8),
+       st.integers(1, 3), st.integers(10, 24))
+def test_pipelined_decode_gives_exactly_the_unpipelined_outputs(specs, num_lanes, num_blocks):
+    def requests():
+        return [Request(str(i), [10 + (j * 3) % 40 for j in range(p)],
+                        SamplingParams(max_tokens=t, eos_token_ids=frozenset({EOS}), min_tokens=m))
+                for i, (p, t, m) in enumerate(specs)]
+    sync, _ = drive(group(num_lanes, num_blocks, 4, 2, budget=16), requests(), pipelined=False)
+    piped, _ = drive(group(num_lanes, num_blocks, 4, 2, budget=16), requests(), pipelined=True)
+    assert piped == sync
+
+
+def test_a_stable_batch_stays_pipelined_until_it_changes():
+    g = group(num_lanes=2, num_blocks=32)
+    reqs = [Request(str(i), [11, 12, 13], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
+    _, drains = drive(g, reqs, pipelined=True)
+    assert drains <= 2  # after the prefills, one stable batch decodes to the end
