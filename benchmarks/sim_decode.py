@@ -3,7 +3,8 @@
 A sim worker with the `galaxy-llama-3.3-70b` profile (a traced decode step of 1/72.5 s) under a
 control plane with 4 lanes x 8 requests. With every row busy decoding, the device could run
 72.5 steps/s; whatever the control plane, gRPC and the runner add between steps shows up as
-achieved steps/s below that. Reported: achieved / limit, with host and with device sampling.
+achieved steps/s below that. Reported: achieved / limit with host sampling, and with device
+sampling without and with async decode overlap (goal: >= 0.98 with overlap).
 
     python benchmarks/sim_decode.py [--seconds 10]
 """
@@ -28,13 +29,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def measure(model: str, seconds: float, tt: str) -> dict:
+def measure(model: str, seconds: float, tt: str, control_flags: tuple[str, ...] = ()) -> dict:
     wport, cport = _port(), _port()
     procs = [subprocess.Popen([sys.executable, "-m", "ttserve.worker", "--backend", "sim", "--sim-profile", PROFILE,
                                "--model", model, "--port", str(wport), "--additional-config", tt],
                               stderr=subprocess.DEVNULL),
              subprocess.Popen([sys.executable, "-m", "ttserve.control", "--port", str(cport), "--worker",
-                               f"127.0.0.1:{wport}", "--data-parallel-size", "4", "--max-num-seqs", "8"],
+                               f"127.0.0.1:{wport}", "--data-parallel-size", "4", "--max-num-seqs", "8",
+                               *control_flags],
                               stderr=subprocess.DEVNULL)]
     try:
         address = f"127.0.0.1:{cport}"
@@ -71,9 +73,11 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
+    device = '{"tt": {"sample_on_device_mode": "all"}}'
     report = {
-        "host sampling": measure(args.model, args.seconds, '{"tt": {}}'),
-        "device sampling": measure(args.model, args.seconds, '{"tt": {"sample_on_device_mode": "all"}}'),
+        "host sampling (no overlap possible)": measure(args.model, args.seconds, '{"tt": {}}'),
+        "device sampling, no async overlap": measure(args.model, args.seconds, device, ("--no-async-scheduling",)),
+        "device sampling, async overlap": measure(args.model, args.seconds, device),
     }
     print(json.dumps(report, indent=2))
     return 0

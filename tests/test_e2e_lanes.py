@@ -69,3 +69,16 @@ def test_two_independent_workers_match_one_lane(tmp_path, smollm2, reference):
     assert {rid: r.token_ids for rid, r in results.items()} == reference
     workers = Counter(next(iter(r.placements))[0] for r in results.values())
     assert workers == {0: 4, 1: 4} and all(s > 0 for s in steps)
+
+
+def test_async_decode_with_device_sampling_matches_one_lane(tmp_path, smollm2, reference):
+    stack = start_stack(tmp_path, str(smollm2), gateway=False,
+                        worker_flags=(*KV, "--additional-config", '{"tt": {"sample_on_device_mode": "all"}}'),
+                        control_flags=("--data-parallel-size", "2", "--max-num-seqs", "4"))
+    try:
+        results = run(stack.control_address, PROMPTS)
+        log = stack.services[1].output()
+    finally:
+        stack.stop()
+    assert "async decode on" in log
+    assert {rid: r.token_ids for rid, r in results.items()} == reference

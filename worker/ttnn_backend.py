@@ -252,8 +252,16 @@ def _member(t: Any, enum: str, name: str, option: str) -> Any:
     try:
         return getattr(getattr(t, enum), name)
     except AttributeError:
-        raise MeshOpenError(f"tt.{option} = {name!r} is not a ttnn.{enum} of this ttnn "
-                            f"({getattr(t, '__version__', 'unknown version')})") from None
+        raise MeshOpenError(f"tt.{option} = {name!r} is not a ttnn.{enum} member in ttnn "
+                            f"{_ttnn_version()}") from None
+
+
+def _ttnn_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("ttnn")
+    except PackageNotFoundError:
+        return "(version unknown)"
 
 
 @contextmanager

@@ -1,0 +1,438 @@
+"""The ttnn backend's contract with ttnn and with tt-metal models, checked against recording fakes
+(call order and arguments), plus one run against the real ttnn wheel on a chipless host."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fakes.fake_tt_model import make_model_class
+from fakes.fake_ttnn import FabricConfig, FabricReliabilityMode, FakeTtnn, MeshShape, Recorder
+
+from ttserve.worker import ttnn_backend
+from ttserve.worker.mesh import resolve_mesh
+from ttserve.worker.options import TraceFlags
+from ttserve.worker.ttnn_backend import (ChipProbe, DeviceError, MeshOpenError, ModelContractError,
+                                         TraceRegionError, TtnnBackend, TtnnUnavailable, close_mesh,
+                                         device_params, open_mesh, probe, probe_chips, require_chips)
+
+REPO = Path(__file__).resolve().parents[1]
+NO_CHIPS = RuntimeError("TT_FATAL @ /project/tt_metal/llrt/tt_cluster.cpp:129: num_chips > 0\ninfo:\n"
+                        "No chips detected in the cluster\nbacktrace:\n --- _ttnncpp.so(+0xb233e8)")
+
+
+def mesh(name: str):
+    return resolve_mesh(name, 32)
+
+
+# ---- opening and closing the mesh ----------------------------------------------------------------
+
+def test_fabric_is_set_before_the_mesh_opens_with_the_default_trace_region():
+    ttnn = FakeTtnn()
+    opened = open_mesh(mesh("T3K"), {}, ttnn=ttnn)
+    assert ttnn.recorder.calls == [
+        ("ttnn.set_fabric_config", {"config": FabricConfig.FABRIC_1D,
+                                    "reliability_mode": FabricReliabilityMode.STRICT_INIT}),
+        ("ttnn.open_mesh_device", {"mesh_shape": MeshShape(1, 8), "trace_region_size": 50_000_000}),
+    ]
+    assert opened.get_num_devices() == 8
+
+
+@pytest.mark.parametrize("name, fabric", [("TG", FabricConfig.FABRIC_1D_RING),
+                                          ("BH-Galaxy", FabricConfig.FABRIC_2D_TORUS_XY),
+                                          ("P150x4", FabricConfig.FABRIC_1D)])
+def test_default_fabric_reaches_ttnn(name, fabric):
+    ttnn = FakeTtnn()
+    open_mesh(mesh(name), {}, ttnn=ttnn)
+    assert ttnn.recorder.only("ttnn.set_fabric_config")[0]["config"] is fabric
+    assert ttnn.recorder.only("ttnn.open_mesh_device")[0]["mesh_shape"] == MeshShape(*mesh(name).shape)
+
+
+def test_requested_fabric_and_reliability_mode_reach_ttnn():
+    ttnn = FakeTtnn()
+    open_mesh(mesh("T3K"), {"fabric_config": "FABRIC_2D", "fabric_reliability_mode": "RELAXED_INIT"},
+              ttnn=ttnn)
+    assert ttnn.recorder.only("ttnn.set_fabric_config") == [
+        {"config": FabricConfig.FABRIC_2D, "reliability_mode": FabricReliabilityMode.RELAXED_INIT}]
+
+
+def test_a_single_device_gets_no_fabric_even_when_one_is_asked_for(caplog):
+    ttnn = FakeTtnn()
+    with caplog.at_level(logging.WARNING):
+        open_mesh(mesh("N150"), {"fabric_config": "FABRIC_1D"}, ttnn=ttnn)
+    assert ttnn.recorder.names() == ["ttnn.open_mesh_device"]
+    assert "fabric_config=FABRIC_1D ignored" in caplog.text
+
+
+def test_device_params_and_dispatch_axis_are_passed_to_open_after_the_fabric():
+    ttnn = FakeTtnn()
+    options = {"trace_region_size": 220_000_000, "worker_l1_size": 1_344_544, "l1_small_size": 32768,
+               "dispatch_core_axis": "col"}
+    open_mesh(mesh("TG"), options, ttnn=ttnn)
+    assert ttnn.recorder.names() == ["ttnn.set_fabric_config", "ttnn.DispatchCoreConfig",
+                                     "ttnn.open_mesh_device"]
+    assert ttnn.recorder.only("ttnn.DispatchCoreConfig") == [{"axis": ttnn.DispatchCoreAxis.COL}]
+    opened = ttnn.recorder.only("ttnn.open_mesh_device")[0]
+    assert opened["dispatch_core_config"].axis is ttnn.DispatchCoreAxis.COL
+    assert {k: opened[k] for k in ("trace_region_size", "worker_l1_size", "l1_small_size")} == {
+        "trace_region_size": 220_000_000, "worker_l1_size": 1_344_544, "l1_small_size": 32768}
+
+
+def test_no_trace_region_is_reserved_without_tracing():
+    assert device_params({"trace_mode": "none", "trace_region_size": 9}) == {}
+    assert device_params({"trace_mode": "decode_only"}) == {"trace_region_size": 50_000_000}
+    assert device_params({"l1_small_size": 8192}) == {"trace_region_size": 50_000_000, "l1_small_size": 8192}
+
+
+def test_a_failed_open_resets_the_fabric_and_says_why_in_one_line():
+    ttnn = FakeTtnn(fail={"open_mesh_device": RuntimeError("TT_FATAL @ x.cpp:1: ok\ninfo:\n"
+                                                           "Device 3 is busy\nbacktrace:\n --- a")})
+    with pytest.raises(MeshOpenError) as e:
+        open_mesh(mesh("T3K"), {}, ttnn=ttnn)
+    assert str(e.value) == "opening mesh T3K (1x8): Device 3 is busy"
+    assert ttnn.recorder.names()[-1] == "ttnn.set_fabric_config"
+    assert ttnn.recorder.only("ttnn.set_fabric_config")[-1]["config"] is FabricConfig.DISABLED
+
+
+def test_no_chips_while_setting_the_fabric_is_the_one_line_unavailable_error():
+    ttnn = FakeTtnn(fail={"set_fabric_config": NO_CHIPS})
+    with pytest.raises(TtnnUnavailable) as e:
+        open_mesh(mesh("T3K"), {}, ttnn=ttnn)
+    assert str(e.value) == ("ttnn backend: no Tenstorrent chips detected on this host "
+                            "(ttnn: No chips detected in the cluster); use --backend torch or sim")
+    assert "open_mesh_device" not in " ".join(ttnn.recorder.names())
+
+
+def test_close_reads_the_profiler_then_closes_submeshes_then_the_mesh_then_resets_the_fabric():
+    ttnn = FakeTtnn(submeshes=2)
+    opened = open_mesh(mesh("T3K"), {}, ttnn=ttnn)
+    ttnn.recorder.calls.clear()
+    close_mesh(opened, ttnn=ttnn)
+    assert ttnn.recorder.calls == [
+        ("ttnn.ReadDeviceProfiler", {"mesh": "mesh"}),
+        ("ttnn.close_mesh_device", {"mesh": "mesh/0"}),
+        ("ttnn.close_mesh_device", {"mesh": "mesh/1"}),
+        ("ttnn.close_mesh_device", {"mesh": "mesh"}),
+        ("ttnn.set_fabric_config", {"config": FabricConfig.DISABLED,
+                                    "reliability_mode": FabricReliabilityMode.STRICT_INIT}),
+    ]
+
+
+def test_a_single_device_closes_without_a_fabric_reset():
+    ttnn = FakeTtnn()
+    backend = TtnnBackend(mesh("N150"), {}, ttnn=ttnn)
+    backend.open()
+    backend.close()
+    backend.close()  # a second close is a no-op
+    assert ttnn.recorder.names() == ["ttnn.open_mesh_device", "ttnn.ReadDeviceProfiler",
+                                     "ttnn.close_mesh_device"]
+
+
+def test_a_patched_ttnn_module_is_used_when_none_is_passed(monkeypatch):
+    ttnn = FakeTtnn()
+    monkeypatch.setitem(sys.modules, "ttnn", ttnn)
+    open_mesh(mesh("N300"), {"trace_mode": "none"}, ttnn=None)
+    assert ttnn.recorder.names() == ["ttnn.set_fabric_config", "ttnn.open_mesh_device"]
+
+
+# ---- the model on the mesh -----------------------------------------------------------------------
+
+def opened_backend(name: str = "T3K", **options) -> tuple[TtnnBackend, FakeTtnn, type]:
+    ttnn = FakeTtnn()
+    backend = TtnnBackend(mesh(name), options, ttnn=ttnn)
+    backend.open()
+    ttnn.recorder.calls.clear()
+    return backend, ttnn, make_model_class(ttnn)
+
+
+def test_the_model_is_initialized_on_the_mesh_with_the_whole_meshs_batch():
+    backend, ttnn, model_cls = opened_backend()
+    model = backend.initialize_model(model_cls, "hf-config", max_batch_size=128, max_seq_len=4096,
+                                     tt_data_parallel=4)
+    call = ttnn.recorder.only("model.initialize_vllm_model")[0]
+    assert call["mesh_device"] is backend.mesh and model.mesh_device is backend.mesh
+    assert (call["hf_config"], call["max_batch_size"], call["max_seq_len"], call["tt_data_parallel"]) == (
+        "hf-config", 128, 4096, 4)
+    assert call["optimizations"] == "performance"  # the model's own default: not passed when unset
+
+
+def test_the_optimizations_option_reaches_the_model_and_a_model_without_it_is_refused():
+    backend, ttnn, model_cls = opened_backend(optimizations="accuracy")
+    backend.initialize_model(model_cls, {}, max_batch_size=32, max_seq_len=128)
+    assert ttnn.recorder.only("model.initialize_vllm_model")[0]["optimizations"] == "accuracy"
+
+    class Plain:
+        @classmethod
+        def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len,
+                                  tt_data_parallel=1):
+            return cls()
+
+    with pytest.raises(ModelContractError, match="takes no optimizations"):
+        backend.initialize_model(Plain, {}, max_batch_size=32, max_seq_len=128)
+
+
+def test_kv_heads_are_split_over_a_lanes_chips():
+    assert TtnnBackend(mesh("T3K"), {}).kv_cache_shape(100, 8, 64, 128) == (100, 1, 64, 128)
+    assert TtnnBackend(mesh("TG"), {}).kv_cache_shape(100, 8, 64, 128, num_lanes=4) == (100, 1, 64, 128)
+    assert TtnnBackend(mesh("N300"), {}).kv_cache_shape(100, 8, 64, 128) == (100, 4, 64, 128)
+    assert TtnnBackend(mesh("N150"), {}).kv_cache_shape(100, 8, 64, 128) == (100, 8, 64, 128)
+    assert TtnnBackend(mesh("TG"), {}).kv_cache_shape(100, 8, 64, 128) == (100, 1, 64, 128)
+
+
+# ---- warmup --------------------------------------------------------------------------------------
+
+def warmup_calls(recorder: Recorder) -> list[tuple[str, bool]]:
+    return [(name.removeprefix("model.warmup_model_"), details["enable_trace"])
+            for name, details in recorder.calls if name.startswith("model.warmup_model_")]
+
+
+@pytest.mark.parametrize("trace_mode, expected", [
+    ("all", [("prefill", False), ("decode", False), ("prefill", True), ("decode", True)]),
+    ("decode_only", [("prefill", False), ("decode", False), ("decode", True)]),
+    ("none", [("prefill", False), ("decode", False)]),
+])
+def test_warmup_compiles_every_shape_untraced_before_capturing(trace_mode, expected):
+    backend, ttnn, model_cls = opened_backend(trace_mode=trace_mode)
+    model = model_cls(backend.mesh, 32)
+    backend.warmup(model, "kv", max_batch_size=32, num_blocks=64)
+    # the capture pass of prefill really runs: the Generator's once-only guard is reset before it
+    assert warmup_calls(ttnn.recorder) == expected
+
+
+def test_warmup_passes_the_cache_shapes_and_sampling_ceiling():
+    backend, ttnn, model_cls = opened_backend(sample_on_device_mode="decode_only")
+    backend.warmup(model_cls(backend.mesh, 32), "kv", max_batch_size=128, num_blocks=2080)
+    for call in ttnn.recorder.only("model.warmup_model_prefill"):
+        assert call["kv_cache"] == "kv" and call["can_sample_on_device"] is False
+    for call in ttnn.recorder.only("model.warmup_model_decode"):
+        assert (call["kv_cache"], call["max_batch_size"], call["num_blocks"]) == ("kv", 128, 2080)
+        assert call["can_sample_on_device"] is True
+
+
+def test_warmup_reports_progress_to_the_end():
+    backend, _, model_cls = opened_backend()
+    seen = []
+    backend.warmup(model_cls(backend.mesh, 32), "kv", max_batch_size=32, num_blocks=8,
+                   progress=lambda *event: seen.append(event))
+    assert [(phase, done, total) for phase, done, total, _ in seen] == [("warmup", i, 4) for i in range(5)]
+    assert seen[0][3] == "compile prefill" and seen[-1][3].startswith("done in")
+
+
+def test_warmup_can_be_turned_off():
+    backend, ttnn, model_cls = opened_backend(enable_model_warmup=False)
+    backend.warmup(model_cls(backend.mesh, 32), "kv", max_batch_size=32, num_blocks=8)
+    assert warmup_calls(ttnn.recorder) == []
+
+
+def test_a_too_small_trace_region_is_reported_with_the_size_needed():
+    backend, _, model_cls = opened_backend()
+    model = model_cls(backend.mesh, 32)
+
+    def capture(**kwargs):
+        if kwargs["enable_trace"]:
+            raise RuntimeError("TT_FATAL @ mesh_trace.cpp:9: ok\ninfo:\nCreating trace buffers of size "
+                               "61440000B on MeshDevice 1, but only 50000000B is allocated for trace "
+                               "region.\nbacktrace:\n --- x")
+
+    model.warmup_model_decode = capture
+    with pytest.raises(TraceRegionError) as e:
+        backend.warmup(model, "kv", max_batch_size=32, num_blocks=8)
+    assert "needs 61,440,000 bytes but the trace region holds 50,000,000" in str(e.value)
+    assert "tt.trace_region_size 61440000" in str(e.value)
+
+
+def test_a_warmup_hook_needing_unknown_arguments_is_a_contract_error():
+    backend, _, model_cls = opened_backend()
+    model = model_cls(backend.mesh, 32)
+    model.warmup_model_prefill = lambda kv_cache, enable_trace, sampling_params: None
+    with pytest.raises(ModelContractError, match="sampling_params"):
+        backend.warmup(model, "kv", max_batch_size=32, num_blocks=8)
+
+
+# ---- steps -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("trace_mode, flags", [("all", TraceFlags(True, True)),
+                                               ("decode_only", TraceFlags(False, True)),
+                                               ("none", TraceFlags(False, False))])
+def test_each_step_kind_gets_its_trace_flag(trace_mode, flags):
+    backend, ttnn, model_cls = opened_backend(trace_mode=trace_mode)
+    model = model_cls(backend.mesh, 32)
+    assert backend.trace == flags
+    assert backend.prefill(model, tokens="t", page_table="p", kv_cache="kv", prompt_lens=[3],
+                           start_pos=[0]) == "prefill-out"
+    backend.decode(model, tokens="t", start_pos="s", page_table="p", kv_cache="kv")
+    assert ttnn.recorder.only("model.prefill_forward")[0]["enable_trace"] is flags.prefill
+    assert ttnn.recorder.only("model.decode_forward")[0]["enable_trace"] is flags.decode
+
+
+def test_a_synchronous_decode_reads_back_then_processes_on_the_host():
+    backend, ttnn, model_cls = opened_backend()
+    out = backend.decode(model_cls(backend.mesh, 32), tokens="t", start_pos="s", page_table="p",
+                         kv_cache="kv", sampling_params="greedy")
+    assert out == ("tokens", 32)
+    assert [(n, d.get("read_from_device", d.get("async_read", d.get("is_tokens"))))
+            for n, d in ttnn.recorder.calls] == [
+        ("model.decode_forward", False), ("model.read_decode_output", False),
+        ("model.process_decode_output_host", True)]
+
+
+def test_async_decode_launches_reads_asynchronously_then_syncs_every_event_before_processing():
+    backend, ttnn, model_cls = opened_backend(sample_on_device_mode="all")
+    model = model_cls(backend.mesh, 32)
+    pending = backend.launch_decode(model, tokens="t", start_pos="s", page_table="p", kv_cache="kv",
+                                    sampling_params="device")
+    assert ttnn.recorder.calls == [
+        ("model.decode_forward", {"tokens": "t", "enable_trace": True, "read_from_device": False,
+                                  "sampling_params": "device"}),
+        ("model.read_decode_output", {"async_read": True}),
+        ("ttnn.record_event", {"event": 1}), ("ttnn.record_event", {"event": 2}),
+    ]
+    assert backend.decodes_in_flight == 1 and pending.is_tokens
+    ttnn.recorder.calls.clear()
+    assert backend.finish_decode(model, pending) == ("tokens", 32)
+    assert ttnn.recorder.calls == [
+        ("ttnn.event_synchronize", {"event": 1}), ("ttnn.event_synchronize", {"event": 2}),
+        ("model.process_decode_output_host", {"is_tokens": True}),
+    ]
+    assert backend.decodes_in_flight == 0
+
+
+def test_host_sampled_async_decode_processes_logits():
+    backend, ttnn, model_cls = opened_backend()
+    model = model_cls(backend.mesh, 32)
+    pending = backend.launch_decode(model, tokens="t", start_pos="s", page_table="p", kv_cache="kv")
+    assert backend.finish_decode(model, pending) == ("logits", 32)
+
+
+def test_at_most_two_decodes_are_in_flight():
+    backend, _, model_cls = opened_backend()
+    model = model_cls(backend.mesh, 32)
+    step = {"tokens": "t", "start_pos": "s", "page_table": "p", "kv_cache": "kv"}
+    first, second = backend.launch_decode(model, **step), backend.launch_decode(model, **step)
+    with pytest.raises(AssertionError, match="third"):
+        backend.launch_decode(model, **step)
+    backend.finish_decode(model, first)
+    backend.finish_decode(model, second)
+    with pytest.raises(AssertionError):
+        backend.finish_decode(model, second)
+
+
+def test_a_device_failure_in_a_step_is_one_line():
+    backend, _, model_cls = opened_backend()
+    model = model_cls(backend.mesh, 32)
+
+    def broken(**_):
+        raise RuntimeError("TT_THROW @ dispatch.cpp:3: tt::exception\ninfo:\nTimeout waiting for device\n"
+                           "backtrace:\n --- a")
+
+    model.decode_forward = broken
+    with pytest.raises(DeviceError, match=r"^decode: Timeout waiting for device$"):
+        backend.decode(model, tokens="t", start_pos="s", page_table="p", kv_cache="kv")
+
+
+# ---- probing the host ----------------------------------------------------------------------------
+
+def test_probe_without_ttnn_says_so_at_once():
+    assert probe() == (False, probe_chips().reason)
+    if sys.version_info[:2] not in ((3, 10), (3, 12)):
+        assert "ttnn is not installed for this Python" in probe()[1]
+
+
+@pytest.fixture
+def ttnn_installed(monkeypatch):
+    real = ttnn_backend.importlib.util.find_spec
+    monkeypatch.setattr(ttnn_backend.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "ttnn" else real(name, *a))
+
+
+def test_probe_without_device_nodes_does_not_start_ttnn(ttnn_installed, tmp_path, monkeypatch):
+    monkeypatch.setattr(ttnn_backend.subprocess, "run", lambda *a, **k: pytest.fail("started ttnn"))
+    ok, reason = probe(device_dir=str(tmp_path / "absent"))
+    assert not ok and reason == (f"no Tenstorrent chips detected on this host "
+                                 f"(no devices under {tmp_path / 'absent'})")
+
+
+def test_probe_checks_visible_devices_against_the_device_nodes(ttnn_installed, tmp_path, monkeypatch):
+    for node in ("0", "1"):
+        (tmp_path / node).touch()
+    monkeypatch.setenv("TT_VISIBLE_DEVICES", "1,4")
+    assert probe(device_dir=str(tmp_path)) == (
+        False, f"TT_VISIBLE_DEVICES names device(s) 4, but this host has 0,1 under {tmp_path}")
+    monkeypatch.setenv("TT_VISIBLE_DEVICES", "one")
+    assert "not a device id" in probe(device_dir=str(tmp_path))[1]
+
+
+def test_probe_reads_what_the_child_process_found(ttnn_installed, monkeypatch):
+    answer = {"num_devices": 32, "arch": "wormhole_b0", "cluster": "GALAXY"}
+    monkeypatch.setattr(ttnn_backend.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout="log line\nTTSERVE_PROBE " + json.dumps(answer) + "\n", stderr=""))
+    assert probe_chips(device_dir=None) == ChipProbe(True, "32 wormhole_b0 chip(s), cluster GALAXY",
+                                                     32, "wormhole_b0", True)
+
+
+def test_probe_runs_ttnn_in_a_child_and_reports_an_import_failure(ttnn_installed):
+    found = probe_chips(device_dir=None, timeout_s=30)   # a real child; this Python has no ttnn
+    assert not found.ok and "import ttnn failed" in found.reason
+
+
+def test_probe_never_hangs_on_a_stuck_ttnn(ttnn_installed, monkeypatch):
+    monkeypatch.setattr(ttnn_backend, "_PROBE_SCRIPT", "import time; time.sleep(60)")
+    found = probe_chips(device_dir=None, timeout_s=0.5)
+    assert not found.ok and "did not answer within" in found.reason and "hung" in found.reason
+
+
+def test_requiring_chips_on_a_host_without_them_fails_in_one_line(ttnn_installed, tmp_path):
+    with pytest.raises(TtnnUnavailable) as e:
+        require_chips(device_dir=str(tmp_path))
+    assert str(e.value) == (f"ttnn backend: no Tenstorrent chips detected on this host (no devices "
+                            f"under {tmp_path}); use --backend torch or sim")
+
+
+# ---- the real wheel --------------------------------------------------------------------------------
+
+TTNN_VENV_HELP = ("no Python with ttnn: create one with `/root/.pyenv/versions/3.12.1/bin/python3.12 -m venv "
+                  ".venv-ttnn && .venv-ttnn/bin/pip install ttnn==0.81.1` (or set TTSERVE_TTNN_PYTHON)")
+
+
+def _ttnn_python() -> str | None:
+    for candidate in (os.environ.get("TTSERVE_TTNN_PYTHON"), REPO / ".venv-ttnn/bin/python",
+                      "/tmp/ttnn312/bin/python"):
+        if candidate and Path(candidate).exists():
+            check = subprocess.run([str(candidate), "-c", "import importlib.util as u, sys; "
+                                    "sys.exit(u.find_spec('ttnn') is None)"], capture_output=True)
+            if check.returncode == 0:
+                return str(candidate)
+    return None
+
+
+def test_real_ttnn_on_a_chipless_host_refuses_fast_and_clearly():
+    python = _ttnn_python()
+    if python is None:
+        pytest.skip(TTNN_VENV_HELP)
+    if Path(ttnn_backend.DEVICE_DIR).exists():
+        pytest.skip("this host has Tenstorrent chips; the chipless check does not apply")
+    done = subprocess.run([python, str(REPO / "tests/ttnn_real_check.py"), str(REPO)],
+                          capture_output=True, text=True, timeout=120)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    assert line, f"no result (status {done.returncode}): {done.stderr[-2000:]}"
+    result = json.loads(line[len("RESULT "):])
+
+    assert result["missing_names"] == []
+    assert set(result["fabric_allowed"]) <= set(result["fabric_members"])
+    assert set(result["reliability_allowed"]) <= set(result["reliability_members"])
+    assert {"ROW", "COL"} <= set(result["axis_members"])
+
+    assert result["probe"]["value"][0] is False
+    assert "no Tenstorrent chips detected on this host" in result["probe"]["value"][1]
+    assert result["probe_ttnn"]["value"] == [
+        False, "no Tenstorrent chips detected on this host (ttnn: No chips detected in the cluster)"]
+    expected = ("ttnn backend: no Tenstorrent chips detected on this host (ttnn: No chips detected in "
+                "the cluster); use --backend torch or sim")
+    for key in ("require", "open_n150", "open_t3k", "open_axis"):
+        assert result[key]["error"] == "TtnnUnavailable" and result[key]["message"] == expected, key
+    for key in ("probe", "probe_ttnn", "require", "open_n150", "open_t3k", "open_axis"):
+        assert result[key]["seconds"] < 10, (key, result[key])
