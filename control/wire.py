@@ -135,9 +135,12 @@ class StepOutcome:
     sampled: dict[str, int]
     model_s: float
     total_s: float
+    traced: bool
+    sampled_on_device: bool
 
 
 def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
-    return StepOutcome(step_id=result.step_id,
-                       sampled={t.request_id: t.token_id for t in result.tokens},
-                       model_s=result.timings.model_s, total_s=result.timings.total_s)
+    t = result.timings
+    return StepOutcome(step_id=result.step_id, sampled={s.request_id: s.token_id for s in result.tokens},
+                       model_s=t.model_s, total_s=t.total_s, traced=t.traced,
+                       sampled_on_device=t.sampled_on_device)

@@ -14,7 +14,7 @@ from .phase import PhasePolicy
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
 from .step import StepKind
-from .wire import WorkerDescription
+from .wire import StepOutcome, WorkerDescription
 from .worker_link import WorkerError, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,9 @@ class WorkerGroup:
         self.num_steps = 0
         self.async_decode = False
         self.drains: Counter[str] = Counter()   # async-decode pipeline drains by reason
+        # Steps by (kind, "traced" | "eager") and by sampling path ("device" | "host").
+        self.steps: Counter[tuple[str, str]] = Counter()
+        self.sampling: Counter[str] = Counter()
         self._wake = asyncio.Event()
 
     @property
@@ -203,10 +206,16 @@ class WorkerGroup:
                 outcome = await link.receive()
                 plan, _ = in_flight.popleft()
                 if plan is not None:
-                    self.num_steps += 1
+                    self._count(plan, outcome)
                     self._publish(outcome.step_id, group.update(plan, outcome.sampled))
         finally:
             ended.cancel()
+
+    def _count(self, plan: GroupPlan, outcome: StepOutcome) -> None:
+        self.num_steps += 1
+        self.steps[plan.kind.value, "traced" if outcome.traced else "eager"] += 1
+        if plan.kind is not StepKind.EMPTY:
+            self.sampling["device" if outcome.sampled_on_device else "host"] += 1
 
     @staticmethod
     def _drain_reason(group: LaneGroup) -> str:
