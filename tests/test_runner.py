@@ -14,9 +14,11 @@ CONFIG = ServingConfig(num_lanes=1, max_num_seqs=4, max_model_len=256, max_num_b
 PROMPTS = {"greedy": [1, 504, 3458, 282, 4649], "seeded": [1, 9690, 314, 2185, 282, 3000]}
 
 
-def runner(model_path, model_cls=TorchLlamaForCausalLM, **options) -> tuple[ModelRunner, list]:
+def runner(model_path, model_cls=TorchLlamaForCausalLM, backend_traces=False, kv_tokens_per_lane=None,
+           **tt) -> tuple[ModelRunner, list]:
     r = ModelRunner(model_path, model_cls, "LlamaForCausalLM", torch.device("cpu"), torch.float32,
-                    block_size=16, kv_cache_bytes=64 << 20, options=DeviceOptions(**options))
+                    block_size=16, kv_cache_bytes=64 << 20,
+                    options=DeviceOptions(tt, backend_traces, kv_tokens_per_lane))
     progress = []
     r.warmup(CONFIG, lambda phase, done, total, detail: progress.append((phase, done, total)))
     return r, progress

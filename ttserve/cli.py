@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(services[command])
     parser = argparse.ArgumentParser(prog=f"ttserve {command}")
     module.add_arguments(parser)
-    return module.run(parser.parse_args(rest))
+    parse = getattr(module, "parse_args", None)  # a service with flags argparse cannot declare
+    return module.run(parse(parser, rest) if parse else parser.parse_args(rest))
 
 
 def _model(argv: list[str]) -> int:

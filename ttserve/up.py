@@ -50,6 +50,7 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
     own.add_argument("--ready-timeout", type=float, default=900.0,
                      help="seconds to wait for the stack to serve")
     args, rest = own.parse_known_args(argv)
+    rest, dotted = _take_dotted(rest)
     masks = {name: _consumed(_service_parser(name), rest) for name in SERVICES}
     orphans = [t for i, t in enumerate(rest) if t.startswith("-") and not any(m[i] for m in masks.values())]
     if orphans:
@@ -60,10 +61,24 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
     # reads the folder the control plane reports, so a name like `smollm2` never reaches it.
     shares["gateway"] = _without_flag(shares["gateway"], "--model")
     host = _host(shares["gateway"])
-    shares["worker"] += ["--port", str(args.worker_port)]
+    shares["worker"] += dotted + ["--port", str(args.worker_port)]
     shares["control"] += ["--port", str(args.control_port), "--worker", f"{host}:{args.worker_port}"]
     shares["gateway"] += ["--port", str(args.port), "--control", f"{host}:{args.control_port}"]
     return args, shares
+
+
+def _take_dotted(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """The worker's dotted `--additional-config.tt.KEY VALUE` flags, taken out of `tokens`."""
+    from ttserve.worker.options import split_additional_config
+
+    rest, _ = split_additional_config(tokens)
+    j, dotted = 0, []
+    for token in tokens:  # rest is an ordered subsequence of tokens
+        if j < len(rest) and rest[j] == token:
+            j += 1
+        else:
+            dotted.append(token)
+    return rest, dotted
 
 
 def _without_flag(tokens: list[str], flag: str) -> list[str]:

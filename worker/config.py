@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import logging
+import sys
 
 log = logging.getLogger("ttserve.worker")
 
@@ -36,14 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def choose_backend(requested: str) -> tuple[str, str]:
-    """The backend to run and why."""
+    """The backend to run and why. Asking for ttnn on a host without chips fails within
+    seconds with one line; `auto` falls back to torch and says why."""
     if requested in ("torch", "sim"):
         return requested, "requested"
-    if requested == "ttnn":
-        raise StartupError("--backend ttnn is not available in this release; use --backend torch or sim")
-    if importlib.util.find_spec("ttnn") is None:
-        return "torch", "ttnn is not installed"
-    return "torch", "the ttnn backend is not available in this release"
+    from .ttnn_backend import probe, unavailable_message
+
+    ok, reason = probe()
+    if requested == "ttnn" and not ok:
+        raise StartupError(unavailable_message(reason))
+    return ("ttnn", reason) if ok else ("torch", f"no ttnn device: {reason}")
 
 
 def build_service(args: argparse.Namespace):
@@ -52,12 +54,13 @@ def build_service(args: argparse.Namespace):
     from .model_prepare import ModelPrepareError, resolve_model
     from .options import OptionError, parse_additional_config
     from .registry import RegistryError, build_registry
+    from .mesh import MeshError
     from .runner import DeviceOptions, ModelRunner
     from .server import DeviceService
     from .sim import PROFILES, SimModel
 
     try:
-        options = parse_additional_config(args.additional_config)
+        options = parse_additional_config(args.additional_config, getattr(args, "additional_config_dotted", None))
         if args.block_size < 1 or args.kv_cache_memory_bytes < 1:
             raise StartupError("--block-size and --kv-cache-memory-bytes must be positive")
         backend, why = choose_backend(args.backend)
@@ -66,10 +69,11 @@ def build_service(args: argparse.Namespace):
         # The sim serves the checkpoint's config with the reference model's contract shape.
         registry = build_registry("torch" if backend == "sim" else backend)
         architecture, model_cls = registry.resolve(runner_config.get("architectures") or [])
+        device_api = None
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise StartupError("--device cuda: torch sees no CUDA device on this host")
-        device_options = DeviceOptions.from_tt(options, backend_traces=False)
+        device_options = DeviceOptions(options, backend_traces=False)
         device_name = str(device)
         if backend == "sim":
             profile = PROFILES.get(args.sim_profile)
@@ -78,15 +82,54 @@ def build_service(args: argparse.Namespace):
                                    f"{', '.join(sorted(PROFILES))}")
             model_cls = SimModel.for_profile(profile)
             device_name = f"sim {profile.name} ({profile.description})"
-            device_options = DeviceOptions.from_tt(options, backend_traces=True,
-                                                   kv_tokens_per_lane=profile.kv_tokens_per_lane)
-    except (OptionError, ModelPrepareError, RegistryError, StartupError, RuntimeError) as e:
+            device_options = DeviceOptions(options, backend_traces=True,
+                                           kv_tokens_per_lane=profile.kv_tokens_per_lane)
+        elif backend == "ttnn":
+            device_api, device_name = _ttnn_device(options, model_cls, architecture)
+            device_options = DeviceOptions(options, backend_traces=True, kv_tokens_per_lane=TTNN_KV_TOKENS)
+    except (OptionError, ModelPrepareError, RegistryError, MeshError, StartupError, RuntimeError) as e:
         raise StartupError(str(e)) from e
     log.info("backend %s (%s); model %s (%s) on %s; tt options %s", backend, why, model_path,
              architecture, device_name, options or "none")
     runner = ModelRunner(model_path, model_cls, architecture, device, getattr(torch, _DTYPES[args.dtype]),
-                         args.block_size, args.kv_cache_memory_bytes, device_options)
+                         args.block_size, args.kv_cache_memory_bytes, device_options, device_api)
     return DeviceService(runner, backend, device_name)
+
+
+# KV tokens per lane on a mesh when the model states no budget (the plugin's fallback).
+TTNN_KV_TOKENS = 131072
+
+
+def _ttnn_device(options: dict, model_cls: type, architecture: str):
+    """The mesh from MESH_DEVICE / TT_VISIBLE_DEVICES, checked against the chips found, with
+    the model's options checked before anything opens."""
+    import os
+
+    from .device_api import TtnnDevice
+    from .mesh import mesh_from_env
+    from .options import check_model_options
+    from .ttnn_backend import TtnnBackend, require_chips
+
+    chips = require_chips()
+    spec = mesh_from_env(os.environ, chips.num_devices, arch=chips.arch, is_galaxy=chips.is_galaxy)
+    for warning in check_model_options(options, getattr(model_cls, "model_capabilities", None) or {},
+                                       architecture):
+        log.warning("%s", warning)
+    return TtnnDevice(TtnnBackend(spec, options)), f"mesh {spec.name} {spec.shape}"
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """argparse plus the dotted `--additional-config.tt.KEY VALUE` form, which argparse cannot
+    declare (the keys are open-ended)."""
+    from .options import OptionError, split_additional_config
+
+    try:
+        rest, dotted = split_additional_config(sys.argv[1:] if argv is None else argv)
+    except OptionError as e:
+        parser.error(str(e))
+    args = parser.parse_args(rest)
+    args.additional_config_dotted = dotted
+    return args
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,11 +11,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from .batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
+from .device_api import TorchDevice
+from .options import async_decode_allowed, device_sampling, trace_flags
 from .sampling import SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class RequestState:
     top_p: float
     top_k: int
     generator: torch.Generator | None
+    seed: int | None = None
     min_tokens: int = 0
     min_tokens_blocked_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0     # sampled so far, including before a preemption
@@ -59,29 +62,24 @@ class Launched:
 
 @dataclass(slots=True, frozen=True)
 class DeviceOptions:
-    """How the runner drives the device (the `tt` options plus what the backend can do)."""
-    trace_mode: str = "all"                   # all | decode_only | none
-    sample_on_device_mode: str | None = None  # all | decode_only; None = host sampling
-    always_compat_sampling: bool = False
-    enable_model_warmup: bool = True
+    """How the runner drives the device: the validated `tt` options (worker/options.py) plus
+    what the backend can do."""
+    tt: dict = field(default_factory=dict)
     backend_traces: bool = False              # the backend captures traces (ttnn, sim)
     kv_tokens_per_lane: int | None = None     # KV budget fixed by the device, not by bytes
-
-    @classmethod
-    def from_tt(cls, tt: dict, backend_traces: bool, kv_tokens_per_lane: int | None = None) -> "DeviceOptions":
-        return cls(trace_mode=tt.get("trace_mode", "all"), sample_on_device_mode=tt.get("sample_on_device_mode"),
-                   always_compat_sampling=tt.get("always_compat_sampling", False),
-                   enable_model_warmup=tt.get("enable_model_warmup", True),
-                   backend_traces=backend_traces, kv_tokens_per_lane=kv_tokens_per_lane)
 
     def traced(self, kind: str) -> bool:
         if not self.backend_traces:
             return False  # eager torch: the same padded shapes, no capture
-        return self.trace_mode == "all" or (self.trace_mode == "decode_only" and kind == "decode")
+        flags = trace_flags(self.tt)
+        return flags.prefill if kind == "prefill" else flags.decode
 
     def device_sampling(self, kind: str) -> bool:
-        mode = self.sample_on_device_mode
-        return not self.always_compat_sampling and (mode == "all" or (mode == "decode_only" and kind == "decode"))
+        return device_sampling(self.tt, kind)
+
+    @property
+    def warmup(self) -> bool:
+        return self.tt.get("enable_model_warmup", True)
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,8 +94,10 @@ class KvLayout:
 class ModelRunner:
     def __init__(self, model_path: Path, model_cls: type, architecture: str, device: torch.device,
                  dtype: torch.dtype, block_size: int, kv_cache_bytes: int,
-                 options: DeviceOptions | None = None) -> None:
+                 options: DeviceOptions | None = None, device_api: Any = None) -> None:
         self.options = options or DeviceOptions()
+        # How model calls reach the device (worker/device_api.py): torch and sim by default.
+        self.device_api = device_api or TorchDevice(device, dtype, self.options.traced)
         self.model_path = model_path
         self.model_cls = model_cls
         self.architecture = architecture
@@ -163,41 +163,26 @@ class ModelRunner:
                                  f"configuration {config}: restart the worker to change it")
             return
         progress("load", 0, 1, f"{self.architecture} from {self.model_path}")
-        self.model = self.model_cls.initialize_vllm_model(
-            self.hf_config, self.device, config.max_num_seqs, config.max_model_len,
-            tt_data_parallel=config.num_lanes, model_path=str(self.model_path), dtype=self.dtype)
+        self.model = self.device_api.initialize(self.model_cls, self.model_path, self.hf_config, config)
         progress("load", 1, 1, "weights loaded")
-        self.layout = self._kv_layout(config)
-        progress("allocate", 0, 1, f"{self.layout.num_blocks_per_lane} blocks x {self.block_size} "
+        self.layout = layout = self._kv_layout(config)
+        progress("allocate", 0, 1, f"{layout.num_blocks_per_lane} blocks x {self.block_size} "
                  f"tokens per lane, {config.num_lanes} lane(s)")
-        shape = (self.layout.num_blocks_per_lane, self.layout.num_kv_heads, self.block_size,
-                 self.layout.head_dim)
-        self.kv_cache = self.model.allocate_kv_cache(shape, self.dtype, self.layout.num_layers)
+        self.kv_cache = self.device_api.allocate_kv_cache(
+            self.model, layout.num_blocks_per_lane, layout.num_kv_heads, self.block_size, layout.head_dim,
+            layout.num_layers, config.num_lanes)
         progress("allocate", 1, 1, "KV cache allocated")
-        self._warm_up(config, progress)
+        if self.options.warmup:
+            width = min(-(-config.max_model_len // self.block_size), layout.num_blocks_per_lane)
+            self.device_api.warmup(self.model, self.kv_cache, config, width, progress)
+        else:
+            progress("compile", 0, 0, "warmup disabled (tt.enable_model_warmup=false)")
         rows = config.num_lanes * config.max_num_seqs
         max_blocks = -(-config.max_model_len // self.block_size)
         # Persistent page table, one row per device row; rows of released requests go stale but
         # are never read: decode reads only rows with a position, prefill only its own rows.
         self._page_table = torch.zeros(rows, max_blocks, dtype=torch.int32)
         self.config = config
-
-    def _warm_up(self, config: ServingConfig, progress: Progress) -> None:
-        """Compile every shape untraced first, then capture the traced ones, so no program
-        cache allocation happens while a trace is live."""
-        if not self.options.enable_model_warmup:
-            progress("compile", 0, 0, "warmup disabled (tt.enable_model_warmup=false)")
-            return
-        passes = [("compile", False)]
-        if self.options.traced("prefill") or self.options.traced("decode"):
-            passes.append(("capture", True))
-        for phase, trace in passes:
-            progress(phase, 0, 2, "prefill shapes")
-            self.model.warmup_model_prefill(kv_cache=self.kv_cache, enable_trace=trace and self.options.traced("prefill"))
-            progress(phase, 1, 2, "decode shape")
-            self.model.warmup_model_decode(kv_cache=self.kv_cache, enable_trace=trace and self.options.traced("decode"),
-                                           max_batch_size=config.max_num_seqs)
-            progress(phase, 2, 2, "done")
 
     @property
     def prefill_buckets(self) -> list[int]:
@@ -232,9 +217,8 @@ class ModelRunner:
     def async_decode(self) -> bool:
         """Decode steps can be pipelined: the model reads back asynchronously and decode
         samples on the device (host sampling needs the logits first)."""
-        return (self.capabilities.get("supports_async_decode", False)
-                and self.capabilities.get("supports_sample_on_device", False)
-                and self.options.device_sampling("decode"))
+        return (self.capabilities.get("supports_sample_on_device", False) and self.device_api.resident_tokens
+                and async_decode_allowed(self.options.tt, self.capabilities)[0])
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.finish(self.launch(batch))
@@ -260,22 +244,12 @@ class ModelRunner:
         """Wait for a launched step's readback and return its result."""
         result = launched.result
         if launched.readback is not None:
-            host_out, events, items = launched.readback
-            for event in events:
-                self._synchronize(event)
-            tokens = self.model.process_decode_output_host(host_out, is_tokens=True).reshape(-1).tolist()
-            result.tokens = self._collect(items, tokens)
+            pending, items = launched.readback
+            out = self.device_api.finish_decode(self.model, pending)
+            result.tokens = self._collect(items, out.reshape(-1).tolist())
         result.model_s = time.perf_counter() - launched.started
         result.total_s = result.model_s
         return result
-
-    @staticmethod
-    def _synchronize(event: object) -> None:
-        # ttnn events go through ttnn.event_synchronize (the ttnn backend); the sim's own
-        # events know how to wait; torch has none.
-        sync = getattr(event, "synchronize", None)
-        if sync is not None:
-            sync()
 
     def _add(self, new: NewRequest) -> None:
         generator = None
@@ -283,7 +257,7 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.seed)
         self._requests[new.request_id] = RequestState(
-            new.row, new.lane, new.temperature, new.top_p, new.top_k, generator, new.min_tokens,
+            new.row, new.lane, new.temperature, new.top_p, new.top_k, generator, new.seed, new.min_tokens,
             new.min_tokens_blocked_ids, new.num_output_tokens)
 
     def _state(self, request_id: str, new_block_ids: list[int]) -> RequestState:
@@ -313,11 +287,12 @@ class ModelRunner:
         # request draws the same random numbers however its prompt was chunked.
         sampling = _sampling_batch([s if c.sample else None for s, c in zip(states, chunks)])
         on_device = self._samples_on_device("prefill", states, all(c.sample for c in chunks))
-        out = self.model.prefill_forward(
-            tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
+        out = self.device_api.prefill(
+            self.model, tokens=tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
             prompt_lens=torch.tensor([c.start_pos + len(c.token_ids) for c in chunks]),
-            start_pos=torch.tensor([c.start_pos for c in chunks]), enable_trace=self.options.traced("prefill"),
-            sampling_params=sampling if on_device else None, empty_slots=rows)
+            start_pos=torch.tensor([c.start_pos for c in chunks]),
+            sampling_params=self.device_api.sampling_params(sampling, [s.seed for s in states]) if on_device else None,
+            empty_slots=rows)
         sampled = (out if on_device else sample(out.reshape(len(chunks), -1), sampling)).tolist()
         tokens = {c.request_id: int(t) for c, t in zip(chunks, sampled) if c.sample}
         for request_id in tokens:
@@ -346,17 +321,17 @@ class ModelRunner:
         sampling = _sampling_batch(by_row)
         on_device = self._samples_on_device("decode", [s for s in by_row if s], True)
         launched.result.sampled_on_device = on_device
-        out = self.model.decode_forward(
-            tokens, positions, page_table=self._page_table, kv_cache=self.kv_cache,
-            enable_trace=self.options.traced("decode"), read_from_device=not (pipelined and on_device),
-            sampling_params=sampling if on_device else None)
+        pending = self.device_api.launch_decode(
+            self.model, self.device_api.sampling_params(sampling, [s.seed if s else None for s in by_row])
+            if on_device else None, tokens=tokens, start_pos=positions, page_table=self._page_table,
+            kv_cache=self.kv_cache)
         if pipelined and on_device:
-            # tt-metal's async readback: the result stays on the device until finish().
-            host_out, events = self.model.read_decode_output(out, async_read=True)
-            self._previous_tokens = getattr(out, "tokens", out).reshape(-1)
-            launched.readback = (host_out, events, items)
+            # The result stays on the device until finish(), after the next step is launched;
+            # that step feeds these tokens straight from the device.
+            self._previous_tokens = self.device_api.device_tokens(pending)
+            launched.readback = (pending, items)
             return
-        out = self.model.process_decode_output_host(out, is_tokens=on_device)
+        out = self.device_api.finish_decode(self.model, pending)
         if not on_device:
             out = sample(out.reshape(rows, -1), sampling)
         self._previous_tokens = out.reshape(-1)

@@ -1,0 +1,29 @@
+"""`ttserve up` hands each flag to the services that declare it."""
+from __future__ import annotations
+
+import pytest
+
+from ttserve.up import split_flags
+
+
+def test_flags_go_to_their_services_and_ports_are_wired():
+    args, shares = split_flags(["--port", "9000", "--max-num-seqs", "4", "--backend", "sim",
+                                "--api-key", "k", "--model", "/m", "--additional-config.tt.trace_mode", "all"])
+    assert args.port == 9000
+    assert shares["control"][:2] == ["--max-num-seqs", "4"] and "--worker" in shares["control"]
+    assert shares["worker"][:2] == ["--backend", "sim"] and "--model" in shares["worker"]
+    assert "--additional-config.tt.trace_mode" in shares["worker"]
+    assert "--api-key" in shares["gateway"] and "--model" not in shares["gateway"]
+    assert shares["gateway"][-2:] == ["--control", "127.0.0.1:50051"]
+
+
+def test_host_goes_to_every_service():
+    _, shares = split_flags(["--host", "0.0.0.0"])
+    assert all("0.0.0.0" in share for share in shares.values())
+    assert "127.0.0.1:50061" in shares["control"]  # services reach each other on loopback
+
+
+def test_a_flag_no_service_declares_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        split_flags(["--no-such-flag", "1"])
+    assert "--no-such-flag" in capsys.readouterr().err
