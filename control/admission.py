@@ -6,9 +6,13 @@ always run to completion once it is alone on its lane.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .request import Request
+from .request import Request, SamplingParams
+
+# Top logprobs per sampled token: vLLM's max_logprobs default (the OpenAI API's limit).
+MAX_LOGPROBS = 20
 
 
 class AdmissionError(ValueError):
@@ -51,6 +55,32 @@ def check_request(request: Request, unsupported: list[str], limits: Limits) -> N
                              f"{limits.vocab_size} tokens (ids 0..{limits.vocab_size - 1})")
     if request.sampling.temperature < 0 or not 0 < request.sampling.top_p <= 1:
         raise AdmissionError("temperature must be >= 0 and top_p in (0, 1]")
+    check_sampling(request.sampling, limits.vocab_size)
     if unsupported:
         raise AdmissionError(f"{', '.join(unsupported)}: not supported by this ttserve release "
                              "yet; remove it from the request")
+
+
+def check_sampling(s: SamplingParams, vocab_size: int) -> None:
+    """The host-sampler options' ranges, as vLLM's SamplingParams checks them."""
+    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+        raise AdmissionError(f"logprobs (top_logprobs) must be between 0 and {MAX_LOGPROBS}, "
+                             f"got {s.logprobs}")
+    if not 0 <= s.min_p <= 1:
+        raise AdmissionError(f"min_p must be in [0, 1], got {s.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not -2 <= value <= 2:
+            raise AdmissionError(f"{name} must be in [-2, 2], got {value}")
+    if not math.isfinite(s.repetition_penalty) or s.repetition_penalty <= 0:
+        raise AdmissionError(f"repetition_penalty must be a finite number greater than zero, "
+                             f"got {s.repetition_penalty}")
+    if any(not math.isfinite(bias) for _, bias in s.logit_bias):
+        raise AdmissionError("logit_bias values must be finite numbers")
+    for name, ids in (("logit_bias", [t for t, _ in s.logit_bias]),
+                      ("allowed_token_ids", s.allowed_token_ids),
+                      ("bad_words", [t for word in s.bad_words for t in word])):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise AdmissionError(f"{name} has token id {bad[0]}, out of range: the vocabulary has "
+                                 f"{vocab_size} tokens (ids 0..{vocab_size - 1})")

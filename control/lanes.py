@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .phase import PhasePolicy
-from .request import Request
+from .request import Request, TokenLogprobs
 from .scheduler import Scheduler
 from .step import StepKind, StepPlan
 
@@ -68,8 +68,9 @@ class LaneGroup:
         self.policy.record(StepKind.DECODE, True)
         return GroupPlan(StepKind.DECODE, plans)
 
-    def update(self, plan: GroupPlan, sampled: dict[str, int]) -> list[Request]:
+    def update(self, plan: GroupPlan, sampled: dict[str, int],
+               logprobs: dict[str, TokenLogprobs] | None = None) -> list[Request]:
         changed: list[Request] = []
         for lane, lane_plan in zip(self.lanes, plan.lanes):
-            changed += lane.update(lane_plan, sampled)
+            changed += lane.update(lane_plan, sampled, logprobs)
         return changed

@@ -30,6 +30,34 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # Host-sampler options (vLLM's SamplingParams semantics; the worker applies them).
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    logprobs: int | None = None     # top-k logprobs per sampled token; None = none
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_host_sampler(self) -> bool:
+        """Options the device sampler cannot express (min_tokens aside: it lapses)."""
+        return bool(self.has_penalties or self.min_p or self.logit_bias or self.allowed_token_ids
+                    or self.bad_words or self.logprobs is not None)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token: the sampled token first, then the top-k, most likely
+    first; `rank` is the sampled token's (1 = most likely)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +97,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     error: str = ""
+    # Logprobs of output_token_ids[num_sent_tokens:] (when the request asked for logprobs).
+    unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

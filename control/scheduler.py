@@ -15,7 +15,7 @@ import logging
 from .blocks import BlockPool
 from .phase import PhasePolicy
 from .prefix_hash import extend_block_hashes
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request, RequestStatus, TokenLogprobs
 from .step import DecodeWork, PrefillWork, StepKind, StepPlan
 from .stop import check_stop
 
@@ -150,8 +150,11 @@ class Scheduler:
             if (len(request.output_token_ids) + in_flight >= request.sampling.max_tokens
                     or position + 1 > self.config.max_model_len):
                 continue  # `previous` ends it
-            if request.sampling.min_tokens > len(request.output_token_ids) + in_flight:
-                return None  # the host sampler must mask its EOS: no device-resident pipeline
+            if (request.sampling.needs_host_sampler
+                    or request.sampling.min_tokens > len(request.output_token_ids) + in_flight):
+                # Its batch samples on the host (min_tokens masks its EOS; penalties, bad words
+                # and logprobs read every token so far): no device-resident pipeline.
+                return None
             needed += max(self.pool.blocks_for(position + 1) - len(request.block_ids), 0)
             plan.decode.append(DecodeWork(request, None, position, []))
         if not self.pool.can_allocate(needed):
@@ -322,8 +325,11 @@ class Scheduler:
             request.on_device = False
 
     # ---- results -------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's sampled tokens; returns the requests with new tokens or a finish."""
+    def update(self, plan: StepPlan, sampled: dict[str, int],
+               logprobs: dict[str, TokenLogprobs] | None = None) -> list[Request]:
+        """Apply a step's sampled tokens (and the logprobs of requests that asked for them);
+        returns the requests with new tokens or a finish."""
+        logprobs = logprobs or {}
         changed: list[Request] = []
         for work in plan.prefill:
             request = work.request
@@ -333,14 +339,14 @@ class Scheduler:
             self._publish_blocks(request)
             if work.sample:
                 request.prefilled = True
-                self._append(request, sampled[request.request_id], changed)
+                self._append(request, sampled[request.request_id], logprobs, changed)
         for work in plan.decode:
             request = work.request
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = work.position + 1
             self._publish_blocks(request)
-            self._append(request, sampled[request.request_id], changed)
+            self._append(request, sampled[request.request_id], logprobs, changed)
         return changed
 
     def _publish_blocks(self, request: Request) -> None:
@@ -352,9 +358,17 @@ class Scheduler:
                 self.pool.cache(request.block_ids[i], hashes[i])
             request.num_published_blocks = full
 
-    def _append(self, request: Request, token_id: int, changed: list[Request]) -> None:
-        request.output_token_ids.append(token_id)
+    def _append(self, request: Request, token_id: int, logprobs: dict[str, TokenLogprobs],
+                changed: list[Request]) -> None:
         changed.append(request)
+        if request.sampling.logprobs is not None:
+            token_logprobs = logprobs.get(request.request_id)
+            if token_logprobs is None:
+                self.finish(request, FinishReason.ERROR, "the worker returned a token without the "
+                            "logprobs the request asked for")
+                return
+            request.unsent_logprobs.append(token_logprobs)
+        request.output_token_ids.append(token_id)
         stop = check_stop(request, self.config.max_model_len)
         if stop is not None:
             reason, request.stop_token_id = stop

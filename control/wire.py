@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ttserve.v1 import device_pb2, engine_pb2
 
-from .request import FinishReason, Request, SamplingParams
+from .request import FinishReason, Request, SamplingParams, TokenLogprobs
 from .step import StepKind, StepPlan
 
 _FINISH = {None: engine_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
@@ -24,14 +24,14 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0,
         top_k=max(s.top_k, 0), seed=s.seed if s.HasField("seed") else None,
         min_tokens=s.min_tokens, stop_token_ids=frozenset(s.stop_token_ids),
-        eos_token_ids=frozenset(add.eos_token_ids), ignore_eos=s.ignore_eos)
-    unsupported = [name for name, is_set in (
-        ("min_p", s.min_p > 0), ("presence_penalty", s.presence_penalty != 0),
-        ("frequency_penalty", s.frequency_penalty != 0),
-        ("repetition_penalty", s.repetition_penalty not in (0.0, 1.0)),
-        ("logprobs", s.HasField("logprobs")), ("prompt_logprobs", s.HasField("prompt_logprobs")),
-        ("logit_bias", bool(s.logit_bias)), ("allowed_token_ids", bool(s.allowed_token_ids)),
-        ("bad_words", bool(s.bad_words))) if is_set]
+        eos_token_ids=frozenset(add.eos_token_ids), ignore_eos=s.ignore_eos,
+        min_p=s.min_p, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items() if b)),
+        allowed_token_ids=tuple(s.allowed_token_ids),
+        bad_words=tuple(tuple(w.token_ids) for w in s.bad_words if w.token_ids),
+        logprobs=s.logprobs if s.HasField("logprobs") else None)
+    unsupported = ["prompt_logprobs"] if s.HasField("prompt_logprobs") else []
     request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
                       sampling=sampling, client_id=client_id,
                       arrival_time=add.arrival_time or time.time(), cache_salt=add.cache_salt)
@@ -48,6 +48,11 @@ def output_to_pb(request: Request) -> engine_pb2.RequestOutput:
         out.num_cached_tokens = request.num_cached_tokens
     if request.stop_token_id is not None:
         out.stop_token_id = request.stop_token_id
+    if request.sampling.logprobs is not None:
+        assert len(request.unsent_logprobs) == len(new), "one TokenLogprobs per new token"
+        out.logprobs.extend(engine_pb2.TokenLogprobs(token_ids=lp.token_ids, logprobs=lp.logprobs,
+                                                     rank=lp.rank) for lp in request.unsent_logprobs)
+        request.unsent_logprobs = []
     request.num_sent_tokens = len(request.output_token_ids)
     return out
 
@@ -117,16 +122,30 @@ def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_nu
 
 def _new_request_pb(request: Request, lane: int, max_num_seqs: int) -> device_pb2.NewRequest:
     s = request.sampling
-    sampling = device_pb2.DeviceSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    sampling = device_pb2.DeviceSampling(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias),
+        allowed_token_ids=s.allowed_token_ids,
+        bad_words=[device_pb2.TokenSequence(token_ids=w) for w in s.bad_words])
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.logprobs is not None:
+        sampling.logprobs = s.logprobs
     if s.min_tokens > len(request.output_token_ids):
         sampling.min_tokens = s.min_tokens
         blocked = s.stop_token_ids if s.ignore_eos else s.stop_token_ids | s.eos_token_ids
         sampling.min_tokens_blocked_ids.extend(sorted(blocked))
-    return device_pb2.NewRequest(request_id=request.request_id, lane=lane,
-                                 row=lane * max_num_seqs + request.slot, sampling=sampling,
-                                 num_output_tokens=len(request.output_token_ids))
+    new = device_pb2.NewRequest(request_id=request.request_id, lane=lane,
+                                row=lane * max_num_seqs + request.slot, sampling=sampling,
+                                num_output_tokens=len(request.output_token_ids))
+    # The token history penalties and bad words read (sent in full at each admission, so a
+    # resumed request's history is rebuilt, never appended to a stale one).
+    if s.repetition_penalty != 1.0:
+        new.prompt_token_ids.extend(request.prompt_token_ids)
+    if s.has_penalties or s.bad_words:
+        new.output_token_ids.extend(request.output_token_ids)
+    return new
 
 
 @dataclass(slots=True)
@@ -137,10 +156,13 @@ class StepOutcome:
     total_s: float
     traced: bool
     sampled_on_device: bool
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
 
 
 def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
     t = result.timings
+    logprobs = {s.request_id: TokenLogprobs(list(s.logprob_token_ids), list(s.logprobs), s.rank)
+                for s in result.tokens if s.logprob_token_ids}
     return StepOutcome(step_id=result.step_id, sampled={s.request_id: s.token_id for s in result.tokens},
                        model_s=t.model_s, total_s=t.total_s, traced=t.traced,
-                       sampled_on_device=t.sampled_on_device)
+                       sampled_on_device=t.sampled_on_device, logprobs=logprobs)

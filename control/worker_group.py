@@ -207,7 +207,7 @@ class WorkerGroup:
                 plan, _ = in_flight.popleft()
                 if plan is not None:
                     self._count(plan, outcome)
-                    self._publish(outcome.step_id, group.update(plan, outcome.sampled))
+                    self._publish(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs))
         finally:
             ended.cancel()
 
@@ -221,6 +221,9 @@ class WorkerGroup:
     def _drain_reason(group: LaneGroup) -> str:
         if any(lane.wants_prefill() for lane in group.lanes):
             return "prefill"
+        if any(r.sampling.needs_host_sampler or r.sampling.min_tokens > len(r.output_token_ids)
+               for lane in group.lanes for r in lane.running):
+            return "host_sampler"
         return "batch_changed"
 
     async def _idle(self, ended: asyncio.Future[str]) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ttserve.gateway import vllm_compat
 
 vllm_compat.prepare()
@@ -17,6 +19,7 @@ vllm_compat.prepare()
 from vllm.v1.engine import (EngineCoreEvent, EngineCoreEventType,  # noqa: E402
                             EngineCoreOutput, EngineCoreRequest, FinishReason)
 from vllm.v1.metrics.stats import PrefillStats  # noqa: E402
+from vllm.v1.outputs import LogprobsLists  # noqa: E402
 
 from ttserve.v1 import engine_pb2  # noqa: E402
 
@@ -34,9 +37,9 @@ FINISH_REASONS: dict[int, FinishReason | None] = {
 def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
     """Why engine.proto cannot carry this request (a message for the user), or None.
 
-    Options the proto carries are passed through and the control plane decides; these are the
-    ones it has no field for (or, for logprobs, no way to return), so sending the request would
-    silently drop them.
+    Options the proto carries are passed through and the control plane decides (it refuses
+    prompt_logprobs, for one); these are the ones it has no field for, so sending the request
+    would silently drop them.
     """
     sp = request.sampling_params
     if sp is None:
@@ -46,9 +49,8 @@ def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
     if request.lora_request is not None:
         return "LoRA adapters are not supported by ttserve yet"
     unsupported = [name for name, is_set in (
-        ("logprobs", sp.logprobs is not None or sp.logprob_token_ids is not None),
-        ("prompt_logprobs", sp.prompt_logprobs is not None
-         or sp.prompt_logprob_token_ids is not None),
+        ("logprob_token_ids", sp.logprob_token_ids is not None),
+        ("prompt_logprob_token_ids", sp.prompt_logprob_token_ids is not None),
         ("structured outputs (response_format / guided decoding)", sp.structured_outputs is not None),
         ("repetition_detection", sp.repetition_detection is not None),
         ("thinking_token_budget", sp.thinking_token_budget is not None),
@@ -132,7 +134,8 @@ def to_engine_core_output(out: engine_pb2.RequestOutput, track: RequestTrack) ->
             and out.stop_token_id != track.eos_token_id:
         stop_reason = out.stop_token_id  # vLLM reports stop token ids, not the EOS, as stop_reason
     output = EngineCoreOutput(request_id=out.request_id, new_token_ids=list(out.new_token_ids),
-                              finish_reason=finish_reason, stop_reason=stop_reason)
+                              finish_reason=finish_reason, stop_reason=stop_reason,
+                              new_logprobs=logprobs_lists(out))
     if not track.started:
         track.started = True
         cached = min(track.num_cached_tokens, track.num_prompt_tokens)
@@ -145,6 +148,19 @@ def to_engine_core_output(out: engine_pb2.RequestOutput, track: RequestTrack) ->
         output.events = [EngineCoreEvent(EngineCoreEventType.QUEUED, track.queued_ts),
                          EngineCoreEvent(EngineCoreEventType.SCHEDULED, track.queued_ts)]
     return output
+
+
+def logprobs_lists(out: engine_pb2.RequestOutput) -> LogprobsLists | None:
+    """vLLM's LogprobsLists for a delta's tokens: one row per new token, the sampled token in
+    column 0 and the request's top-k after it (every row of a request has the same width)."""
+    if not out.logprobs:
+        return None
+    # The control plane sends one entry per new token (wire.output_to_pb asserts it).
+    assert len(out.logprobs) == len(out.new_token_ids), "one TokenLogprobs per new token"
+    return LogprobsLists(
+        logprob_token_ids=np.array([list(lp.token_ids) for lp in out.logprobs], dtype=np.int64),
+        logprobs=np.array([list(lp.logprobs) for lp in out.logprobs], dtype=np.float32),
+        sampled_token_ranks=np.array([lp.rank for lp in out.logprobs], dtype=np.int64))
 
 
 def finished_output(request_id: str, reason: FinishReason = FinishReason.ERROR) -> EngineCoreOutput:

@@ -162,7 +162,8 @@ def test_stop_string_trims_output(client, model_name):
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(prompt="hello " * 9000), 400, "context length"),
     (dict(model="no-such-model"), 404, "no-such-model"),
-    (dict(presence_penalty=0.5), 400, "presence_penalty"),
+    (dict(extra_body={"prompt_logprobs": 1}), 400, "prompt_logprobs"),
+    (dict(logprobs=21), 400, "logprobs"),
 ])
 def test_bad_requests_get_openai_errors(client, model_name, kw, status, words):
     args = dict(model=model_name, prompt="hi", max_tokens=4) | kw
@@ -170,6 +171,12 @@ def test_bad_requests_get_openai_errors(client, model_name, kw, status, words):
         client.completions.create(**args)
     assert e.value.status_code == status
     assert words in str(e.value.body)
+
+
+def test_chat_top_logprobs_above_20_is_a_400(client, model_name):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, model_name, "hi", max_tokens=2, logprobs=True, top_logprobs=21)
+    assert "logprobs" in str(e.value.body)
 
 
 def test_malformed_body_is_a_400(stack):
@@ -186,3 +193,104 @@ def test_health_and_metrics(stack):
         assert r.status == 200
     with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as r:
         assert b"vllm:" in r.read()
+
+
+# ---- the host sampler's options, end to end ----------------------------------------------------
+REPETITIVE = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat."
+
+
+def completion_ids(client, model_name, prompt, max_tokens: int = 24, **kw) -> list[int]:
+    extra = {"return_token_ids": True, "ignore_eos": True} | kw.pop("extra_body", {})
+    out = client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens,
+                                    temperature=kw.pop("temperature", 0), extra_body=extra, **kw)
+    return out.choices[0].token_ids
+
+
+def test_logprobs_match_transformers_and_the_greedy_choice(client, model_name, hf):
+    tokenizer, model = hf
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    out = client.completions.create(model=model_name, prompt=ids, max_tokens=8, temperature=0, logprobs=5,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                "return_tokens_as_token_ids": True})
+    choice = out.choices[0]
+    generated = choice.token_ids
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + generated[:-1]])).logits[0, len(ids) - 1:]
+    expected = logits.float().log_softmax(-1)
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(generated) == 8
+    for i, token in enumerate(generated):
+        assert lp.tokens[i] == f"token_id:{token}"
+        top = lp.top_logprobs[i]
+        assert len(top) == 5  # greedy: the chosen token is one of the top 5, not a sixth entry
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and lp.token_logprobs[i] == max(values)
+        best = expected[i].topk(5)
+        assert [int(k.split(":")[1]) for k in top] == best.indices.tolist()
+        assert values == pytest.approx(best.values.tolist(), abs=2e-3)
+        assert lp.token_logprobs[i] == pytest.approx(float(expected[i, token]), abs=2e-3)
+
+
+def test_chat_top_logprobs_count_is_honoured(client, model_name):
+    out = chat(client, model_name, "Name a fruit.", max_tokens=6, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert entry.logprob == values[0] and entry.token == entry.top_logprobs[0].token
+
+
+@pytest.mark.parametrize("penalty", [dict(presence_penalty=2.0, frequency_penalty=2.0),
+                                     dict(extra_body={"repetition_penalty": 2.0})])
+def test_penalties_reduce_repeats_in_a_repetitive_greedy_output(client, model_name, penalty):
+    plain = completion_ids(client, model_name, REPETITIVE)
+    penalised = completion_ids(client, model_name, REPETITIVE, **penalty)
+    assert penalised != plain
+    assert len(penalised) - len(set(penalised)) < len(plain) - len(set(plain))
+
+
+def test_logit_bias_forces_a_token_or_bans_it(client, model_name):
+    plain = completion_ids(client, model_name, "My favourite fruit is", max_tokens=4)
+    forced = completion_ids(client, model_name, "My favourite fruit is", max_tokens=4, logit_bias={"1234": 100})
+    assert forced == [1234] * 4
+    banned = completion_ids(client, model_name, "My favourite fruit is", max_tokens=4,
+                            logit_bias={str(plain[0]): -100})
+    assert banned[0] != plain[0]
+
+
+def test_min_p_of_one_keeps_only_the_top_token_at_any_temperature(client, model_name):
+    greedy = completion_ids(client, model_name, PROMPTS[0], max_tokens=12)
+    hot = completion_ids(client, model_name, PROMPTS[0], max_tokens=12, temperature=2.0,
+                         extra_body={"min_p": 1.0})
+    assert hot == greedy
+
+
+def test_bad_words_ban_a_word(client, model_name):
+    question = "What is the capital of France?"
+    assert "Paris" in chat(client, model_name, question, max_tokens=32).choices[0].message.content
+    banned = chat(client, model_name, question, max_tokens=32, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].message.content
+
+
+def test_allowed_token_ids_restrict_the_output(client, model_name, hf):
+    tokenizer, _ = hf
+    allowed = sorted({tokenizer.encode(w)[0] for w in (" yes", " no", " maybe")})
+    ids = completion_ids(client, model_name, "Is the sky blue?", max_tokens=6, temperature=1.0,
+                         extra_body={"allowed_token_ids": allowed})
+    assert len(ids) == 6 and set(ids) <= set(allowed)
+
+
+def test_seeded_sampling_with_penalties_reproduces(client, model_name):
+    kw = dict(model=model_name, prompt=REPETITIVE, max_tokens=16, temperature=1.0, seed=99,
+              presence_penalty=1.0, frequency_penalty=0.5, logprobs=2)
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    assert first.choices[0].text == second.choices[0].text
+    assert first.choices[0].logprobs.token_logprobs == second.choices[0].logprobs.token_logprobs
+
+
+def test_n_returns_that_many_choices(client, model_name):
+    out = client.completions.create(model=model_name, prompt="My favourite animal is", max_tokens=8,
+                                    temperature=1.0, n=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert all(c.text for c in out.choices)

@@ -57,14 +57,42 @@ def test_tokenless_grpc_client_gets_outputs_batched_per_step(control):
     assert max(per_message) == 3  # one message per step carries every request's delta
 
 
+def test_grpc_logprobs_come_with_each_token_greedy_at_rank_one(control):
+    session = EngineClient(control.control_address)
+    session.add("lp", [1, 504, 3458, 282, 4649, 314], 6, ignore_eos=True, logprobs=3)
+    session.add("plain", [1, 504, 3458, 282, 4649, 314], 6, ignore_eos=True)
+    tokens, entries, done = {"lp": [], "plain": []}, [], set()
+    while len(done) < 2:
+        message = session.next()
+        if message.HasField("admission"):
+            assert message.admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED, message
+            continue
+        for out in message.outputs.outputs:
+            tokens[out.request_id] += out.new_token_ids
+            if out.request_id == "lp":
+                assert len(out.logprobs) == len(out.new_token_ids)
+                entries += out.logprobs
+            else:
+                assert not out.logprobs
+            if out.finish_reason:
+                done.add(out.request_id)
+    session.close()
+    assert tokens["lp"] == tokens["plain"] and len(entries) == 6  # logprobs change nothing sampled
+    for token, entry in zip(tokens["lp"], entries):
+        assert entry.rank == 1 and list(entry.token_ids[:2]) == [token, token] and len(entry.token_ids) == 4
+        top = list(entry.logprobs[1:])
+        assert entry.logprobs[0] == top[0] and top == sorted(top, reverse=True)
+
+
 def test_admission_refuses_with_a_message(control):
     session = EngineClient(control.control_address)
     session.add("long", [5] * 9000, 4)
     session.add("zero", [5], 0)
     session.add("vocab", [10**6], 4)
     session.add("too-many", [5] * 10, 9000)
+    session.add("logprobs", [5], 4, logprobs=21)
     verdicts = {}
-    for _ in range(4):
+    for _ in range(5):
         a = session.next().admission
         verdicts[a.request_id] = (a.verdict, a.message)
     session.close()
@@ -73,6 +101,7 @@ def test_admission_refuses_with_a_message(control):
     assert "max_tokens" in verdicts["zero"][1]
     assert "out of range" in verdicts["vocab"][1]
     assert "lower max_tokens" in verdicts["too-many"][1]
+    assert "between 0 and 20" in verdicts["logprobs"][1]
 
 
 def test_abort_stops_a_request_and_its_slot_is_reused(control):

@@ -96,8 +96,7 @@ def test_ignore_eos_still_reports_every_eos_id_and_only_user_stop_ids():
 
 
 @pytest.mark.parametrize("sampling, word", [
-    ({"logprobs": 2}, "logprobs"),
-    ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"logprob_token_ids": [3, 4]}, "logprob_token_ids"),
     ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured outputs"),
 ])
 def test_options_the_protocol_cannot_carry_are_named(sampling, word):
@@ -107,6 +106,10 @@ def test_options_the_protocol_cannot_carry_are_named(sampling, word):
 
 def test_plain_request_is_carried():
     assert convert.unsupported_by_protocol(core_request(temperature=0.5, presence_penalty=1.0)) is None
+
+
+def test_logprobs_and_prompt_logprobs_are_carried_for_the_control_plane_to_decide():
+    assert convert.unsupported_by_protocol(core_request(logprobs=5, prompt_logprobs=1)) is None
 
 
 # ---- outputs -------------------------------------------------------------------------------
@@ -184,6 +187,18 @@ def test_stop_token_id_only_counts_with_a_stop_finish():
     out = convert.to_engine_core_output(
         request_output(tokens=[7], finish=engine_pb2.FINISH_REASON_LENGTH, stop_token_id=7), track)
     assert out.stop_reason is None
+
+
+def test_logprobs_become_vllms_logprobs_lists_sampled_token_first():
+    track = convert.RequestTrack.of(core_request(logprobs=2))
+    out = request_output(tokens=[7, 9])
+    out.logprobs.add(token_ids=[7, 7, 3], logprobs=[-0.1, -0.1, -2.5], rank=1)
+    out.logprobs.add(token_ids=[9, 4, 9], logprobs=[-1.5, -0.5, -1.5], rank=2)
+    lists = convert.to_engine_core_output(out, track).new_logprobs
+    assert lists.logprob_token_ids.tolist() == [[7, 7, 3], [9, 4, 9]]
+    assert lists.logprobs.flatten().tolist() == pytest.approx([-0.1, -0.1, -2.5, -1.5, -0.5, -1.5])
+    assert lists.sampled_token_ranks.tolist() == [1, 2]
+    assert convert.to_engine_core_output(request_output(tokens=[5]), track).new_logprobs is None
 
 
 def test_lost_request_ends_with_error():

@@ -9,7 +9,7 @@ from ttserve.control.blocks import BlockPool
 from ttserve.control.lanes import LaneGroup
 from ttserve.control.phase import PhasePolicy
 from ttserve.control.placement import Candidate, choose_lane
-from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams
+from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.step import StepKind
 from ttserve.control.wire import step_batch_to_pb
@@ -225,10 +225,12 @@ def drive(g: LaneGroup, requests: list[Request], pipelined: bool) -> tuple[dict,
                 and len(in_flight) == 1:
             follow = g.followup(in_flight[-1][0])
             drains += follow is None
+            assert follow is None or not any(w.request.sampling.needs_host_sampler
+                                             for p in follow.lanes for w in p.decode)
             in_flight.append((follow, device.run(follow) if follow else {}))
         plan, sampled = in_flight.popleft()
         if plan is not None:
-            g.update(plan, sampled)
+            g.update(plan, sampled, {rid: TokenLogprobs([t], [-1.0], 1) for rid, t in sampled.items()})
         for lane in g.lanes:
             lane.pool.check()
     assert not g.has_work
@@ -236,13 +238,16 @@ def drive(g: LaneGroup, requests: list[Request], pipelined: bool) -> tuple[dict,
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 20), st.integers(1, 15), st.integers(0, 3)), min_size=1, max_size=8),
+@given(st.lists(st.tuples(st.integers(1, 20), st.integers(1, 15), st.integers(0, 3), st.booleans()),
+                min_size=1, max_size=8),
        st.integers(1, 3), st.integers(10, 24))
 def test_pipelined_decode_gives_exactly_the_unpipelined_outputs(specs, num_lanes, num_blocks):
     def requests():
+        # Some requests need the host sampler (logprobs): their batches drain the pipeline.
         return [Request(str(i), [10 + (j * 3) % 40 for j in range(p)],
-                        SamplingParams(max_tokens=t, eos_token_ids=frozenset({EOS}), min_tokens=m))
-                for i, (p, t, m) in enumerate(specs)]
+                        SamplingParams(max_tokens=t, eos_token_ids=frozenset({EOS}), min_tokens=m,
+                                       logprobs=0 if host else None))
+                for i, (p, t, m, host) in enumerate(specs)]
     sync, _ = drive(group(num_lanes, num_blocks, 4, 2, budget=16), requests(), pipelined=False)
     piped, _ = drive(group(num_lanes, num_blocks, 4, 2, budget=16), requests(), pipelined=True)
     assert piped == sync

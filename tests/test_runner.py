@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ttserve.worker.batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch
+from ttserve.worker.batch import DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch
 from ttserve.worker.models import TorchLlamaForCausalLM
 from ttserve.worker.runner import DeviceOptions, ModelRunner
 from ttserve.worker.sim import PROFILES, SimModel, next_token
@@ -99,3 +99,50 @@ def test_sim_prefill_cost_interpolates_the_published_points():
     assert p.prefill_s(128) == pytest.approx(0.053) and p.prefill_s(4096) == pytest.approx(0.627)
     assert p.prefill_s(128) < p.prefill_s(p.bucket(500)) < p.prefill_s(4096)
     assert p.bucket(1) == 128 and p.bucket(1025) == 2048 and p.bucket(9000) == 16384
+
+
+def _run_penalised(r: ModelRunner, steps: int, resume_after: int | None = None,
+                   **penalties) -> tuple[list[int], list]:
+    """Greedy decode of PROMPTS["greedy"] with penalties and 3 logprobs; `resume_after` tokens
+    in, the request is released and re-added as a resumed one (prompt + outputs prefilled
+    again, its history resent as the control plane does)."""
+    prompt = PROMPTS["greedy"]
+
+    def host(outputs: list[int]) -> HostSampling:
+        return HostSampling(num_logprobs=3, prompt_token_ids=list(prompt), output_token_ids=list(outputs),
+                            **penalties)
+
+    new = NewRequest("p", 0, 2, 0.0, 1.0, 0, None, host=host([]))
+    result = r.execute(StepBatch(1, "prefill", new_requests=[new],
+                                 prefill=[PrefillChunk("p", prompt, 0, [4], True)]))
+    out, results = [result.tokens["p"]], [result]
+    step = 2
+    while len(out) < steps:
+        if len(out) == resume_after:
+            new = NewRequest("p", 0, 3, 0.0, 1.0, 0, None, num_output_tokens=len(out), host=host(out))
+            result = r.execute(StepBatch(step, "prefill", new_requests=[new], released_ids=["p"],
+                                         prefill=[PrefillChunk("p", prompt + out, 0, [5], True)]))
+        else:
+            item = DecodeItem("p", out[-1], len(prompt) + len(out) - 1, [])
+            result = r.execute(StepBatch(step, "decode", decode=[item]))
+        out.append(result.tokens["p"])
+        results.append(result)
+        step += 1
+    return out, results
+
+
+def test_host_options_send_the_batch_to_the_host_and_return_logprobs(smollm2):
+    r, _ = runner(smollm2, sample_on_device_mode="all")
+    out, results = _run_penalised(r, 6, frequency_penalty=1.5, repetition_penalty=1.3)
+    assert not any(res.sampled_on_device for res in results)
+    for token, res in zip(out, results):
+        lp = res.logprobs["p"]
+        assert lp.token_ids[0] == token and len(lp.token_ids) == 4 and lp.rank >= 1
+    plain, _ = generate(runner(smollm2)[0], steps=5)
+    assert out != plain["greedy"][:6]  # the penalties changed the greedy continuation
+
+
+@pytest.mark.parametrize("penalties", [dict(frequency_penalty=0.8), dict(repetition_penalty=1.3)])
+def test_a_resumed_request_rebuilds_its_token_history_instead_of_doubling_it(smollm2, penalties):
+    straight, _ = _run_penalised(runner(smollm2)[0], 10, **penalties)
+    assert _run_penalised(runner(smollm2)[0], 10, resume_after=4, **penalties)[0] == straight

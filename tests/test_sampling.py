@@ -1,9 +1,11 @@
 """On-device sampling (ttserve.worker.sampling): the rules each parameter promises."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ttserve.worker.sampling import SamplingBatch, sample
+from ttserve.worker.batch import HostSampling
+from ttserve.worker.sampling import SamplingBatch, _processed_logits, gather_logprobs, sample
 
 VOCAB = 50
 
@@ -116,3 +118,123 @@ def test_blocked_ids_are_never_sampled():
         out = sample(logits, batch)
         assert 3 not in out.tolist() and out[1] != 4
     assert sample(logits, SamplingBatch.greedy(2)).tolist() == [3, 3]
+
+
+# ---- the host sampler: vLLM's options and logprobs --------------------------------------------
+def _host_batch(hosts: list[HostSampling | None], temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, generators=None) -> SamplingBatch:
+    n = len(hosts)
+    return SamplingBatch([temperature] * n, [top_k] * n, [top_p] * n, generators or [], [], hosts)
+
+
+def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first():
+    logits = _logits(3)
+    hosts = [HostSampling(num_logprobs=5), None, HostSampling(num_logprobs=0, presence_penalty=2.0,
+                                                              output_token_ids=[1, 2])]
+    batch = _host_batch(hosts)
+    tokens = sample(logits, batch)
+    got = gather_logprobs(logits, tokens, batch)
+    raw = logits.log_softmax(-1)
+    assert got[1] is None
+    first = got[0]
+    assert first.token_ids[0] == int(tokens[0]) == int(logits[0].argmax()) and first.rank == 1
+    top = raw[0].topk(5)
+    assert first.token_ids[1:] == top.indices.tolist()
+    assert first.logprobs == pytest.approx([float(raw[0, tokens[0]])] + top.values.tolist(), abs=1e-6)
+    assert first.logprobs[1:] == sorted(first.logprobs[1:], reverse=True)
+    # Penalties change what is sampled, never the logprobs reported (vLLM's raw_logprobs).
+    third = got[2]
+    assert len(third.token_ids) == 1 and third.logprobs[0] == pytest.approx(float(raw[2, tokens[2]]), abs=1e-6)
+    assert third.rank == int((raw[2] >= raw[2, tokens[2]]).sum())
+
+
+def test_logprob_rank_of_a_forced_token_counts_the_tokens_above_it():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    batch = _host_batch([HostSampling(num_logprobs=2, logit_bias={3: 100.0})])
+    tokens = sample(logits, batch)
+    (lp,) = gather_logprobs(logits, tokens, batch)
+    assert tokens.tolist() == [3] and lp.rank == 4 and lp.token_ids == [3, 0, 1]
+
+
+def test_penalties_match_vllms_apply_penalties():
+    utils = pytest.importorskip("vllm.model_executor.layers.utils")
+    logits = _logits(3, seed=5)
+    hosts = [HostSampling(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.3,
+                          prompt_token_ids=[1, 2, 3, 40], output_token_ids=[3, 3, 7, 9, 3]),
+             HostSampling(repetition_penalty=0.8, prompt_token_ids=[5, 6], output_token_ids=[]),
+             HostSampling(frequency_penalty=-0.5, output_token_ids=[11, 11, 12])]
+    ours = torch.stack([sample_processed(logits, hosts, i) for i in range(3)])
+
+    def padded(lists):
+        width = max(len(x) for x in lists) or 1
+        return torch.tensor([x + [VOCAB] * (width - len(x)) for x in lists])
+
+    expected = utils.apply_penalties(
+        logits.clone(), padded([h.prompt_token_ids for h in hosts]), padded([h.output_token_ids for h in hosts]),
+        torch.tensor([h.presence_penalty for h in hosts]), torch.tensor([h.frequency_penalty for h in hosts]),
+        torch.tensor([h.repetition_penalty for h in hosts]))
+    assert torch.allclose(ours, expected, atol=1e-5)
+
+
+def sample_processed(logits: torch.Tensor, hosts: list, row: int) -> torch.Tensor:
+    """Row `row` of the logits after the pre-temperature rules."""
+    return _processed_logits(logits, _host_batch(hosts))[row]
+
+
+def test_bad_words_match_vllms_rule():
+    bad_words = pytest.importorskip("vllm.v1.sample.ops.bad_words")
+    words = [[4], [7, 8], [1, 2, 3], [9, 9, 9, 9, 9]]
+    for output in ([], [7], [1, 2], [5, 7], [2, 1, 2], [9, 9, 9]):
+        logits = _logits(1, seed=len(output))
+        expected = logits.clone()
+        bad_words.apply_bad_words(expected, {0: words}, [output])
+        ours = sample_processed(logits, [HostSampling(bad_words=words, output_token_ids=list(output))], 0)
+        assert torch.equal(ours, expected[0]), output
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    logits = _logits(2)
+    top = int(logits[0].argmax())
+    batch = _host_batch([HostSampling(logit_bias={17: 100.0}), HostSampling(logit_bias={top: -100.0})])
+    forced = sample(logits, batch)
+    assert forced[0] == 17 and forced[1] != top
+
+
+def test_allowed_token_ids_restrict_every_draw():
+    torch.manual_seed(0)
+    logits = _logits(1).expand(300, VOCAB)
+    host = HostSampling(allowed_token_ids=[3, 5, 8])
+    out = sample(logits, _host_batch([host] * 300, temperature=2.0))
+    assert set(out.tolist()) == {3, 5, 8}
+
+
+def test_min_p_keeps_only_tokens_near_the_top_after_temperature():
+    torch.manual_seed(0)
+    base = torch.tensor([2.0, 1.8, 0.5, -1.0, -3.0])
+    for temperature, min_p in ((1.0, 0.5), (0.5, 0.2), (3.0, 0.9)):
+        out = sample(base.expand(2000, 5), _host_batch([HostSampling(min_p=min_p)] * 2000, temperature))
+        probs = (base / temperature).softmax(-1)
+        kept = {i for i in range(5) if probs[i] >= min_p * probs.max()}
+        assert set(out.tolist()) == kept, (temperature, min_p)
+
+
+def test_greedy_ignores_min_p_but_not_penalties():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert sample(logits, _host_batch([HostSampling(min_p=1.0)])).tolist() == [0]
+    penalised = HostSampling(presence_penalty=0.5, output_token_ids=[0])
+    assert sample(logits, _host_batch([penalised])).tolist() == [1]
+
+
+def test_seeded_rows_reproduce_with_host_rules():
+    logits = _logits(1)
+
+    def run() -> list[int]:
+        host, gen, got = HostSampling(frequency_penalty=1.0), _seeded(7), []
+        for _ in range(12):
+            token = int(sample(logits, _host_batch([host], temperature=1.0, generators=[gen]))[0])
+            host.output_token_ids.append(token)
+            got.append(token)
+        return got
+
+    first = run()
+    assert first == run() and len(set(first)) > 3  # penalised repeats spread the draws

@@ -1,14 +1,19 @@
-"""The single-lane phase scheduler: step kinds, admission, stopping, preemption, accounting."""
+"""The single-lane phase scheduler: step kinds, admission, stopping, preemption, accounting, and
+the host-sampler options' path through it (logprobs, token history, validation)."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ttserve.control.admission import AdmissionError, Limits, check_request
 from ttserve.control.blocks import BlockPool
 from ttserve.control.phase import PhasePolicy
-from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams
+from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.step import StepKind, StepPlan
+from ttserve.control.wire import output_to_pb, request_from_pb, step_batch_to_pb
+from ttserve.v1 import engine_pb2
 
 EOS = 2
 
@@ -31,7 +36,7 @@ def run_step(s: Scheduler, token: int = 7) -> StepPlan:
     plan = s.schedule()
     sampled = {w.request.request_id: token for w in plan.prefill if w.sample}
     sampled |= {w.request.request_id: token for w in plan.decode}
-    s.update(plan, sampled)
+    s.update(plan, sampled, {rid: TokenLogprobs([token], [-1.0], 1) for rid in sampled})
     return plan
 
 
@@ -379,3 +384,88 @@ def test_invariants_hold_under_random_traffic(specs, num_blocks, max_num_seqs, b
         assert len(held) == s.pool.num_used
     assert all(r.is_finished for r in reqs)
     assert s.pool.num_free == s.pool.num_blocks
+
+
+# ---- host-sampler options: logprobs, history, validation -------------------------------------
+def test_logprobs_ride_with_their_tokens_to_the_output():
+    s = scheduler()
+    r = make("a", 5, max_tokens=3, logprobs=1)
+    s.add(r)
+    for token in (7, 8):
+        plan = s.schedule()
+        s.update(plan, {"a": token}, {"a": TokenLogprobs([token, 3], [-0.5, -0.25], 2)})
+    out = output_to_pb(r)
+    assert list(out.new_token_ids) == [7, 8] and [list(lp.token_ids) for lp in out.logprobs] == [[7, 3], [8, 3]]
+    assert out.logprobs[0].rank == 2 and r.unsent_logprobs == []
+    plan = s.schedule()
+    s.update(plan, {"a": 9})  # the worker broke the contract: no logprobs for a request that asked
+    assert r.finish_reason is FinishReason.ERROR and "logprobs" in r.error and r.output_token_ids == [7, 8]
+
+
+def test_new_request_carries_host_options_and_its_whole_history_on_resume():
+    s = scheduler()
+    r = make("a", 4, max_tokens=10, repetition_penalty=1.2, frequency_penalty=0.5, logprobs=2,
+             bad_words=((5, 6),), logit_bias=((3, -1.0),), min_p=0.1, allowed_token_ids=(7, 8))
+    plain = make("b", 4, max_tokens=10, presence_penalty=0.0)
+    s.add(r)
+    s.add(plain)
+    plan = s.schedule()
+    new = {n.request_id: n for n in step_batch_to_pb(1, plan.kind, [plan], 4).new_requests}
+    assert list(new["a"].prompt_token_ids) == r.prompt_token_ids and not new["a"].output_token_ids
+    d = new["a"].sampling
+    assert (d.repetition_penalty, d.frequency_penalty, d.logprobs) == (pytest.approx(1.2), 0.5, 2)
+    assert dict(d.logit_bias) == {3: -1.0} and list(d.allowed_token_ids) == [7, 8]
+    assert [list(w.token_ids) for w in d.bad_words] == [[5, 6]] and d.min_p == pytest.approx(0.1)
+    assert not new["b"].prompt_token_ids and not new["b"].sampling.HasField("logprobs")
+    s.update(plan, {"a": 7, "b": 7}, {"a": TokenLogprobs([7, 7, 1], [-1.0, -1.0, -2.0], 1)})
+    run_step(s)
+    s._preempt(r)
+    plan = s.schedule()
+    resumed = step_batch_to_pb(2, plan.kind, [plan], 4).new_requests[0]
+    assert list(resumed.output_token_ids) == [7, 7] and resumed.num_output_tokens == 2
+
+
+def test_a_request_needing_the_host_sampler_is_never_pipelined():
+    s = scheduler()
+    for r in (make("a", 4, max_tokens=10), make("b", 4, max_tokens=10, logprobs=0)):
+        s.add(r)
+    run_step(s)
+    decode = s.schedule()
+    assert decode.kind is StepKind.DECODE and s.followup(decode) is None
+    s.finish(s.running[1], FinishReason.ABORT)
+    s.update(decode, {"a": 7})
+    assert s.followup(s.schedule()) is not None  # the plain request alone pipelines again
+
+
+def add_pb(**sampling) -> engine_pb2.AddRequest:
+    return engine_pb2.AddRequest(request_id="x", prompt_token_ids=[1, 2, 3], eos_token_ids=[EOS],
+                                 sampling=engine_pb2.SamplingParams(max_tokens=4, **sampling))
+
+
+@pytest.mark.parametrize("sampling, words", [
+    (dict(logprobs=21), "between 0 and 20"),
+    (dict(logprobs=-1), "between 0 and 20"),
+    (dict(prompt_logprobs=1), "prompt_logprobs: not supported"),
+    (dict(min_p=1.5), "min_p must be in [0, 1]"),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
+    (dict(frequency_penalty=-3), "frequency_penalty must be in [-2, 2]"),
+    (dict(repetition_penalty=-1), "repetition_penalty must be a finite number greater than zero"),
+    (dict(logit_bias={100: 1.0}), "logit_bias has token id 100"),
+    (dict(allowed_token_ids=[5, 64]), "allowed_token_ids has token id 64"),
+    (dict(bad_words=[engine_pb2.BadWords(token_ids=[5, 99])]), "bad_words has token id 99"),
+])
+def test_host_options_out_of_range_are_refused_with_the_rule(sampling, words):
+    request, unsupported = request_from_pb(add_pb(**sampling), client_id=1)
+    with pytest.raises(AdmissionError) as e:
+        check_request(request, unsupported, Limits(max_model_len=64, vocab_size=64))
+    assert words in str(e.value)
+
+
+def test_host_options_in_range_are_admitted_and_zero_repetition_penalty_is_off():
+    request, unsupported = request_from_pb(add_pb(
+        logprobs=20, min_p=1.0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=0,
+        logit_bias={63: -100.0}, allowed_token_ids=[0, 63], bad_words=[engine_pb2.BadWords(token_ids=[1, 2])]), 1)
+    check_request(request, unsupported, Limits(max_model_len=64, vocab_size=64))
+    assert request.sampling.repetition_penalty == 1.0 and request.sampling.bad_words == ((1, 2),)
+    assert request.sampling.needs_host_sampler
+    assert not request_from_pb(add_pb(), 1)[0].sampling.needs_host_sampler

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import grpc
 
-PROTOCOL_VERSION = 1
+# 2: host-sampler options and logprobs (a version-1 worker would silently ignore them).
+PROTOCOL_VERSION = 2
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
 

@@ -5,6 +5,42 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class HostSampling:
+    """One request's sampling options that only the host sampler applies (vLLM's semantics),
+    and the token history its penalties and bad words read. The runner appends every token the
+    request samples to `output_token_ids`."""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[list[int]] = field(default_factory=list)
+    num_logprobs: int | None = None            # top-k logprobs per sampled token; None = none
+    prompt_token_ids: list[int] = field(default_factory=list)   # read by repetition_penalty
+    output_token_ids: list[int] = field(default_factory=list)   # read by penalties, bad words
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def active(self) -> bool:
+        """Some option is set: the request's batches are sampled on the host."""
+        return bool(self.min_p or self.has_penalties or self.logit_bias or self.allowed_token_ids
+                    or self.bad_words or self.num_logprobs is not None)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token: the sampled token first, then the top-k, most likely
+    first; `rank` is the sampled token's (1 = most likely)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass(slots=True)
 class NewRequest:
     request_id: str
     lane: int
@@ -16,6 +52,7 @@ class NewRequest:
     min_tokens: int = 0
     min_tokens_blocked_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+    host: HostSampling | None = None    # None: nothing beyond what the device path expresses
 
 
 @dataclass(slots=True)
@@ -51,6 +88,7 @@ class StepBatch:
 class StepResult:
     step_id: int
     tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
     model_s: float = 0.0
     sample_s: float = 0.0
     total_s: float = 0.0

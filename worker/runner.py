@@ -15,10 +15,11 @@ from typing import Any, Callable
 
 import torch
 
-from .batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
+from .batch import (DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult,
+                    TokenLogprobs)
 from .device_api import TorchDevice
 from .options import async_decode_allowed, device_sampling, trace_flags
-from .sampling import SamplingBatch, sample
+from .sampling import SamplingBatch, gather_logprobs, sample
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,22 @@ class RequestState:
     min_tokens_blocked_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0     # sampled so far, including before a preemption
     block_ids: list[int] = field(default_factory=list)
+    # Options only the host sampler applies, with the token history they read; None: none.
+    # A resumed request arrives as a new NewRequest with its whole history, never appended to.
+    host: HostSampling | None = None
 
     @property
     def blocked_token_ids(self) -> list[int] | None:
         return self.min_tokens_blocked_ids if self.num_output_tokens < self.min_tokens else None
+
+    @property
+    def needs_host_sampler(self) -> bool:
+        return bool(self.blocked_token_ids) or self.host is not None
+
+    def sampled(self, token_id: int) -> None:
+        self.num_output_tokens += 1
+        if self.host is not None:
+            self.host.output_token_ids.append(token_id)
 
 
 @dataclass(slots=True)
@@ -235,7 +248,8 @@ class ModelRunner:
             self._add(new)
         launched = Launched(StepResult(step_id=batch.step_id, traced=self.options.traced(batch.kind)), started)
         if batch.kind == "prefill":
-            launched.result.tokens, launched.result.sampled_on_device = self._prefill(batch.prefill)
+            result = launched.result
+            result.tokens, result.logprobs, result.sampled_on_device = self._prefill(batch.prefill)
         elif batch.kind == "decode":
             self._decode(batch.decode, launched, batch.async_readback and self.async_decode)
         return launched
@@ -258,7 +272,8 @@ class ModelRunner:
             generator.manual_seed(new.seed)
         self._requests[new.request_id] = RequestState(
             new.row, new.lane, new.temperature, new.top_p, new.top_k, generator, new.seed, new.min_tokens,
-            new.min_tokens_blocked_ids, new.num_output_tokens)
+            new.min_tokens_blocked_ids, new.num_output_tokens,
+            host=new.host if new.host is not None and new.host.active else None)
 
     def _state(self, request_id: str, new_block_ids: list[int]) -> RequestState:
         state = self._requests.get(request_id)
@@ -271,7 +286,8 @@ class ModelRunner:
                 new_block_ids, dtype=torch.int32)
         return state
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> tuple[dict[str, int], bool]:
+    def _prefill(self, chunks: list[PrefillChunk]
+                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs], bool]:
         states = [self._state(c.request_id, c.new_block_ids) for c in chunks]
         # tt-metal's layout: row i holds the sequence from position 0 and the model computes
         # tokens[i, start_pos:prompt_len]; positions before start_pos are cached and never read.
@@ -293,18 +309,25 @@ class ModelRunner:
             start_pos=torch.tensor([c.start_pos for c in chunks]),
             sampling_params=self.device_api.sampling_params(sampling, [s.seed for s in states]) if on_device else None,
             empty_slots=rows)
-        sampled = (out if on_device else sample(out.reshape(len(chunks), -1), sampling)).tolist()
-        tokens = {c.request_id: int(t) for c, t in zip(chunks, sampled) if c.sample}
-        for request_id in tokens:
-            self._requests[request_id].num_output_tokens += 1
-        return tokens, on_device
+        logprobs: list[TokenLogprobs | None] = [None] * len(chunks)
+        if on_device:
+            sampled = out
+        else:
+            logits = out.reshape(len(chunks), -1)
+            sampled = sample(logits, sampling)
+            logprobs = gather_logprobs(logits, sampled, sampling)
+        tokens = {c.request_id: int(t) for c, t in zip(chunks, sampled.tolist()) if c.sample}
+        for request_id, token in tokens.items():
+            self._requests[request_id].sampled(token)
+        wanted = {c.request_id: lp for c, lp in zip(chunks, logprobs) if lp is not None}
+        return tokens, wanted, on_device
 
     def _samples_on_device(self, kind: str, states: list[RequestState], no_partial_chunk: bool) -> bool:
         """Device sampling is decided per batch: one request that needs the host sampler (or an
         intermediate prefill chunk in the batch) sends the whole batch there."""
         return (self.capabilities.get("supports_sample_on_device", False)
                 and self.options.device_sampling(kind) and no_partial_chunk
-                and not any(s.blocked_token_ids for s in states))
+                and not any(s.needs_host_sampler for s in states))
 
     def _decode(self, items: list[DecodeItem], launched: Launched, pipelined: bool) -> None:
         assert self.config is not None
@@ -332,10 +355,17 @@ class ModelRunner:
             launched.readback = (pending, items)
             return
         out = self.device_api.finish_decode(self.model, pending)
+        row_logprobs: list[TokenLogprobs | None] = []
         if not on_device:
-            out = sample(out.reshape(rows, -1), sampling)
+            logits = out.reshape(rows, -1)
+            out = sample(logits, sampling)
+            row_logprobs = gather_logprobs(logits, out, sampling)
         self._previous_tokens = out.reshape(-1)
-        launched.result.tokens = self._collect(items, self._previous_tokens.tolist())
+        result = launched.result
+        result.tokens = self._collect(items, self._previous_tokens.tolist())
+        if row_logprobs:
+            result.logprobs = {rid: lp for rid in result.tokens
+                               if (lp := row_logprobs[self._requests[rid].row]) is not None}
 
     def _collect(self, items: list[DecodeItem], sampled: list[int]) -> dict[str, int]:
         tokens = {}
@@ -343,8 +373,8 @@ class ModelRunner:
             state = self._requests.get(item.request_id)
             if state is None:
                 continue  # released while its step was in flight
-            state.num_output_tokens += 1
-            tokens[item.request_id] = int(sampled[state.row])
+            tokens[item.request_id] = token = int(sampled[state.row])
+            state.sampled(token)
         return tokens
 
 
@@ -355,4 +385,5 @@ def _sampling_batch(states: list[RequestState | None]) -> SamplingBatch:
         top_k=[s.top_k if s else 0 for s in states],
         top_p=[s.top_p if s else 1.0 for s in states],
         generators=[s.generator if s else None for s in states],
-        blocked_token_ids=[s.blocked_token_ids if s else None for s in states])
+        blocked_token_ids=[s.blocked_token_ids if s else None for s in states],
+        host=[s.host if s else None for s in states])

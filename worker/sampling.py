@@ -1,8 +1,10 @@
-"""On-device sampling: turns a step's logits into one token id per row, inside the model call.
+"""Sampling: turns a step's logits into one token id per row, on the device or on the host.
 
-Only what the device path can express lives here: temperature, top-k, top-p and a per-request
-seed. Anything else (logprobs, penalties, grammar masks, ...) is the host sampler's job; the
-runner decides per batch which path a batch takes (DESIGN.md §3 "Sampling").
+The device path (inside the model call) expresses temperature, top-k, top-p and a per-request
+seed. The host path runs the same `sample` with each row's `HostSampling` too: allowed token
+ids, bad words, min_tokens, logit_bias and penalties on the logits, then min_p after the
+temperature, in vLLM's order (vllm/v1/sample/sampler.py), and `gather_logprobs` for the rows
+that asked. The runner decides per batch which path a batch takes (DESIGN.md §3 "Sampling").
 
 Reproducibility rule: a request with a seed owns a `torch.Generator` that persists across its
 steps, and every step draws exactly one exponential per vocabulary entry from it, whatever the
@@ -14,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from .batch import HostSampling, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -32,6 +36,8 @@ class SamplingBatch:
     # Per row, token ids that must not be sampled this step (EOS and stop ids before
     # min_tokens), or None.
     blocked_token_ids: list[list[int] | None] = field(default_factory=list)
+    # Per row, the options only the host sampler applies, or None.
+    host: list[HostSampling | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.temperature)
@@ -39,10 +45,12 @@ class SamplingBatch:
             self.generators = [None] * n
         if not self.blocked_token_ids:
             self.blocked_token_ids = [None] * n
-        if not (len(self.top_k) == len(self.top_p) == len(self.generators) == n):
+        if not self.host:
+            self.host = [None] * n
+        if not (len(self.top_k) == len(self.top_p) == len(self.generators) == len(self.host) == n):
             raise ValueError(
                 f"SamplingBatch fields differ in length: temperature={n} top_k={len(self.top_k)} "
-                f"top_p={len(self.top_p)} generators={len(self.generators)}")
+                f"top_p={len(self.top_p)} generators={len(self.generators)} host={len(self.host)}")
 
     def __len__(self) -> int:
         return len(self.temperature)
@@ -52,7 +60,7 @@ class SamplingBatch:
         pick = lambda values: [values[r] for r in rows]  # noqa: E731
         return SamplingBatch([float(t) for t in pick(self.temperature)], [int(k) for k in pick(self.top_k)],
                              [float(p) for p in pick(self.top_p)], pick(self.generators),
-                             pick(self.blocked_token_ids))
+                             pick(self.blocked_token_ids), pick(self.host))
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingBatch:
@@ -79,11 +87,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    if any(ids for ids in batch.blocked_token_ids):
-        logits = logits.clone()
-        for row, ids in enumerate(batch.blocked_token_ids):
-            if ids:
-                logits[row, ids] = float("-inf")
+    logits = _processed_logits(logits, batch)
 
     temperature = _as_tensor(batch.temperature, torch.float32)
     top_k = _as_tensor(batch.top_k, torch.int64)
@@ -100,11 +104,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
     sampled_rows = (~greedy).nonzero().flatten()
     idx = sampled_rows.to(logits.device)
+    min_p = torch.tensor([h.min_p if h else 0.0 for h in batch.host], dtype=torch.float32)
     probs = _filtered_probs(
         logits[idx].float(),
         temperature[sampled_rows].to(logits.device),
         top_k[sampled_rows].to(logits.device),
         _as_tensor(batch.top_p, torch.float32)[sampled_rows].to(logits.device),
+        min_p[sampled_rows].to(logits.device),
     )
     # Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i,
     # and it lets each seeded row draw from its own generator without touching the others.
@@ -120,15 +126,104 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return out
 
 
+def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits after the rules that apply before temperature, in vLLM's order: allowed
+    token ids, bad words, min_tokens' blocked ids and logit_bias, then repetition, frequency
+    and presence penalties. Returns `logits` itself when no row has any."""
+    rows = [i for i, (blocked, host) in enumerate(zip(batch.blocked_token_ids, batch.host))
+            if blocked or (host is not None and host.active)]
+    if not rows:
+        return logits
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        row, host, blocked = logits[i], batch.host[i], batch.blocked_token_ids[i]
+        if host is not None and host.allowed_token_ids:
+            banned = torch.ones(vocab, dtype=torch.bool, device=row.device)
+            banned[host.allowed_token_ids] = False
+            row.masked_fill_(banned, float("-inf"))
+        if host is not None:
+            for word in host.bad_words:
+                if _ends_with(host.output_token_ids, word[:-1]):
+                    row[word[-1]] = float("-inf")
+        if blocked:
+            row[blocked] = float("-inf")
+        if host is not None and host.logit_bias:
+            ids = torch.tensor(list(host.logit_bias), dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor(list(host.logit_bias.values()), dtype=row.dtype, device=row.device)
+        if host is not None and host.has_penalties:
+            _apply_penalties(row, host)
+    return logits
+
+
+def _ends_with(tokens: list[int], prefix: list[int]) -> bool:
+    """vLLM's bad-words rule: the output so far ends with the word's ids before its last."""
+    return len(prefix) <= len(tokens) and (not prefix or tokens[-len(prefix):] == prefix)
+
+
+def _apply_penalties(row: torch.Tensor, host: HostSampling) -> None:
+    """vLLM's penalties (model_executor/layers/utils.py apply_penalties), in place: repetition
+    over prompt and output tokens (positive logits divided, others multiplied), then frequency
+    (times the count) and presence (once) over the output tokens."""
+    vocab = row.shape[-1]
+    output = torch.tensor(host.output_token_ids, dtype=torch.long, device=row.device)
+    counts = torch.bincount(output, minlength=vocab)[:vocab].to(row.dtype)
+    seen = counts > 0
+    if host.repetition_penalty != 1.0:
+        repeated = seen.clone()
+        if host.prompt_token_ids:
+            repeated[torch.tensor(host.prompt_token_ids, dtype=torch.long, device=row.device)] = True
+        penalty = host.repetition_penalty
+        scaling = torch.where(row > 0, 1.0 / penalty, penalty)
+        row.mul_(torch.where(repeated, scaling, torch.ones_like(scaling)))
+    if host.frequency_penalty:
+        row.sub_(host.frequency_penalty * counts)
+    if host.presence_penalty:
+        row.sub_(host.presence_penalty * seen.to(row.dtype))
+
+
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
+                    ) -> list[TokenLogprobs | None]:
+    """Logprobs of each row's sampled token and its top-k, for the rows that asked.
+
+    vLLM's default logprobs_mode "raw_logprobs": the log-softmax of the model's logits before
+    any rule, penalty, temperature or top-k/top-p (`logits` must be those raw logits). The rank
+    counts the tokens at least as likely as the sampled one (1 = most likely), as vLLM's
+    batched_count_greater_than does.
+    """
+    wanted = [(i, h.num_logprobs) for i, h in enumerate(batch.host)
+              if h is not None and h.num_logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(batch)
+    if not wanted:
+        return result
+    rows = torch.tensor([i for i, _ in wanted], dtype=torch.long, device=logits.device)
+    raw = logits[rows].float().log_softmax(dim=-1)
+    top_logprobs, top_ids = raw.topk(max(k for _, k in wanted), dim=-1)
+    sampled = tokens[rows].to(logits.device).long().unsqueeze(-1)
+    sampled_logprobs = raw.gather(-1, sampled)
+    ranks = (raw >= sampled_logprobs).sum(dim=-1)
+    for j, (i, k) in enumerate(wanted):
+        result[i] = TokenLogprobs(token_ids=[int(sampled[j, 0])] + top_ids[j, :k].tolist(),
+                                  logprobs=[float(sampled_logprobs[j, 0])] + top_logprobs[j, :k].tolist(),
+                                  rank=int(ranks[j]))
+    return result
+
+
 def _filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax of logits/temperature restricted to each row's top-k and then top-p set.
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax of logits/temperature restricted to each row's min-p, top-k and then top-p set.
 
     Every row keeps at least its most likely token, so no row ends with all-zero probabilities.
     """
     vocab = logits.shape[-1]
     scaled = logits / temperature.unsqueeze(-1)
     masked_value = torch.finfo(scaled.dtype).min
+
+    if min_p is not None and bool((min_p > 0).any()):
+        # vLLM's MinPLogitsProcessor: drop tokens less likely than min_p times the top token.
+        probs = scaled.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(-1)
+        scaled = scaled.masked_fill(probs < threshold, masked_value)
 
     k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
     if bool((k < vocab).any()):

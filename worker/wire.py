@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ttserve.v1 import device_pb2
 
-from .batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
+from .batch import DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
 
 _KIND = {device_pb2.STEP_KIND_EMPTY: "empty", device_pb2.STEP_KIND_PREFILL: "prefill",
          device_pb2.STEP_KIND_DECODE: "decode"}
@@ -16,7 +16,7 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
                                  r.sampling.top_p or 1.0, r.sampling.top_k,
                                  r.sampling.seed if r.sampling.HasField("seed") else None,
                                  r.sampling.min_tokens, list(r.sampling.min_tokens_blocked_ids),
-                                 r.num_output_tokens)
+                                 r.num_output_tokens, _host_sampling(r))
                       for r in b.new_requests],
         released_ids=list(b.released_request_ids),
         prefill=[PrefillChunk(c.request_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample)
@@ -26,10 +26,32 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
         async_readback=b.async_readback)
 
 
+def _host_sampling(r: device_pb2.NewRequest) -> HostSampling | None:
+    s = r.sampling
+    host = HostSampling(
+        min_p=s.min_p, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias),
+        allowed_token_ids=list(s.allowed_token_ids),
+        bad_words=[list(w.token_ids) for w in s.bad_words if w.token_ids],
+        num_logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_token_ids=list(r.prompt_token_ids), output_token_ids=list(r.output_token_ids))
+    return host if host.active else None
+
+
+def _sampled_pb(request_id: str, token_id: int, r: StepResult) -> device_pb2.SampledToken:
+    sampled = device_pb2.SampledToken(request_id=request_id, token_id=token_id)
+    logprobs = r.logprobs.get(request_id)
+    if logprobs is not None:
+        sampled.logprob_token_ids.extend(logprobs.token_ids)
+        sampled.logprobs.extend(logprobs.logprobs)
+        sampled.rank = logprobs.rank
+    return sampled
+
+
 def result_to_pb(r: StepResult) -> device_pb2.StepResult:
     return device_pb2.StepResult(
         step_id=r.step_id,
-        tokens=[device_pb2.SampledToken(request_id=rid, token_id=t) for rid, t in r.tokens.items()],
+        tokens=[_sampled_pb(rid, t, r) for rid, t in r.tokens.items()],
         timings=device_pb2.StepTimings(model_s=r.model_s, sample_s=r.sample_s, total_s=r.total_s,
                                        traced=r.traced, sampled_on_device=r.sampled_on_device))
 
