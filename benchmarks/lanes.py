@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import time
 
-from ttserve.client import EngineClient
+from control_stack import control_stack
 
 TOPOLOGIES = {
     "1 lane x 16": dict(workers=1, control=["--max-num-seqs", "16"]),
@@ -26,35 +24,9 @@ TOPOLOGIES = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _measure(model: str, workers: int, control: list[str], max_tokens: int) -> dict:
-    worker_ports = [_port() for _ in range(workers)]
-    control_port = _port()
-    procs = [subprocess.Popen([sys.executable, "-m", "ttserve.worker", "--model", model, "--port", str(p),
-                               "--kv-cache-memory-bytes", str(512 << 20)], stderr=subprocess.DEVNULL)
-             for p in worker_ports]
-    procs.append(subprocess.Popen([sys.executable, "-m", "ttserve.control", "--port", str(control_port),
-                                   *[a for p in worker_ports for a in ("--worker", f"127.0.0.1:{p}")], *control],
-                                  stderr=subprocess.DEVNULL))
-    address = f"127.0.0.1:{control_port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                info = EngineClient(address).server_info()
-                if all(w.ready for w in info.workers):
-                    break
-            except Exception:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"topology {control} did not come up")
-            time.sleep(0.5)
-        client = EngineClient(address)
+    worker = ["--model", model, "--kv-cache-memory-bytes", str(512 << 20)]
+    with control_stack([worker] * workers, control) as client:
         client.add("warm", [1, 2, 3], 2)
         client.collect({"warm"})
         before = [w.num_steps for w in client.server_info().workers]
@@ -64,13 +36,8 @@ def _measure(model: str, workers: int, control: list[str], max_tokens: int) -> d
         results = client.collect({f"r{i}" for i in range(16)})
         wall = time.perf_counter() - start
         steps = [w.num_steps - b for w, b in zip(client.server_info().workers, before)]
-        client.close()
-        return {"output_tokens_per_s": sum(len(r.token_ids) for r in results.values()) / wall,
-                "steps_per_worker": steps}
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
+    return {"output_tokens_per_s": sum(len(r.token_ids) for r in results.values()) / wall,
+            "steps_per_worker": steps}
 
 
 def main() -> int:

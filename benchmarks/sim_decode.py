@@ -12,45 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import time
 
-from ttserve.client import EngineClient
+from control_stack import control_stack
 from ttserve.worker.sim import PROFILES
 
 PROFILE = "galaxy-llama-3.3-70b"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(model: str, seconds: float, tt: str, control_flags: tuple[str, ...] = ()) -> dict:
-    wport, cport = _port(), _port()
-    procs = [subprocess.Popen([sys.executable, "-m", "ttserve.worker", "--backend", "sim", "--sim-profile", PROFILE,
-                               "--model", model, "--port", str(wport), "--additional-config", tt],
-                              stderr=subprocess.DEVNULL),
-             subprocess.Popen([sys.executable, "-m", "ttserve.control", "--port", str(cport), "--worker",
-                               f"127.0.0.1:{wport}", "--data-parallel-size", "4", "--max-num-seqs", "8",
-                               *control_flags],
-                              stderr=subprocess.DEVNULL)]
-    try:
-        address = f"127.0.0.1:{cport}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if EngineClient(address).server_info().ready:
-                    break
-            except Exception:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the sim stack did not come up")
-            time.sleep(0.3)
-        client = EngineClient(address)
+    worker = ["--backend", "sim", "--sim-profile", PROFILE, "--model", model, "--additional-config", tt]
+    control = ["--data-parallel-size", "4", "--max-num-seqs", "8", *control_flags]
+    with control_stack([worker], control) as client:
         for i in range(32):
             client.add(f"r{i}", [1, 2, 3, 4 + i], 4000, ignore_eos=True)
         # Let every request finish its prefill, then count decode steps over the window.
@@ -58,14 +32,9 @@ def measure(model: str, seconds: float, tt: str, control_flags: tuple[str, ...] 
         before = client.server_info().workers[0].num_steps
         time.sleep(seconds)
         steps = client.server_info().workers[0].num_steps - before
-        client.close()
-        limit = 1 / PROFILES[PROFILE].decode_step_s
-        return {"steps_per_s": round(steps / seconds, 2), "limit_steps_per_s": round(limit, 2),
-                "ratio_to_limit": round(steps / seconds / limit, 3)}
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
+    limit = 1 / PROFILES[PROFILE].decode_step_s
+    return {"steps_per_s": round(steps / seconds, 2), "limit_steps_per_s": round(limit, 2),
+            "ratio_to_limit": round(steps / seconds / limit, 3)}
 
 
 def main() -> int:
