@@ -66,10 +66,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                                      ready=engine.ready)
         for group in engine.groups:
             d = group.description
+            lanes = group.group.lanes if group.group else []
             info.workers.add(address=group.address, ready=group.ready,
                              backend=d.backend if d else "", mesh=d.device if d else "",
-                             num_lanes=len(group.group.lanes) if group.group else 0,
-                             num_steps=group.num_steps)
+                             num_lanes=len(lanes), num_steps=group.num_steps,
+                             num_running=sum(len(lane.running) for lane in lanes),
+                             num_waiting=sum(len(lane.waiting) + len(lane.skipped) for lane in lanes),
+                             kv_blocks_used=sum(lane.pool.num_used for lane in lanes),
+                             kv_blocks_total=sum(lane.pool.num_blocks for lane in lanes))
         return info
 
 

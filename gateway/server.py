@@ -165,6 +165,13 @@ def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
         validate_parsed_serve_args(vllm_args)
     except (TypeError, ValueError) as e:
         raise StartupError(f"vLLM rejected its arguments: {e}") from None
+    # Options whose work happens in the engine, which ttserve's control plane and devices do
+    # not do: refused rather than silently ignored.
+    if getattr(vllm_args, "speculative_config", None):
+        raise StartupError("speculative decoding (--speculative-config) is not supported on this "
+                           "backend: ttserve's devices run one token per decode step")
+    if getattr(vllm_args, "enable_lora", False):
+        raise StartupError("LoRA (--enable-lora) is not supported on this backend")
     return vllm_args
 
 

@@ -294,3 +294,41 @@ def test_n_returns_that_many_choices(client, model_name):
                                     temperature=1.0, n=3)
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     assert all(c.text for c in out.choices)
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_blocks(stack, model_name):
+    import httpx
+
+    from stack import wait_until
+    from ttserve.client import EngineClient
+
+    body = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, timeout=60) as response:
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data:")
+            if seen >= 3:
+                break  # hang up mid-stream
+    control = EngineClient(stack.control_address)
+    try:
+        def idle() -> bool:
+            w = control.server_info().workers[0]
+            return w.num_running == 0 and w.num_waiting == 0 and w.kv_blocks_used == 0
+        wait_until(idle, 15, "the abandoned request to be aborted and its KV blocks freed")
+    finally:
+        control.close()
+
+
+def test_tokenize_detokenize_version_and_echo(stack, client, model_name):
+    import httpx
+
+    tokens = httpx.post(f"{stack.http_url}/tokenize", json={"model": model_name, "prompt": "Hello world"},
+                        timeout=10).json()["tokens"]
+    assert tokens
+    text = httpx.post(f"{stack.http_url}/detokenize", json={"model": model_name, "tokens": tokens},
+                      timeout=10).json()["prompt"]
+    assert text == "Hello world"
+    assert httpx.get(f"{stack.http_url}/version", timeout=10).status_code == 200
+    out = client.completions.create(model=model_name, prompt="Say hi", max_tokens=3, temperature=0, echo=True)
+    assert out.choices[0].text.startswith("Say hi")

@@ -212,3 +212,13 @@ def test_refusals_map_to_http_400_and_503_with_the_control_planes_message():
     assert bad.error.code == 400 and bad.error.message == "prompt too long for this model"
     busy = create_error_response(ControlPlaneUnavailable("control plane at h:1 is unreachable"))
     assert busy.error.code == 503 and "h:1 is unreachable" in busy.error.message
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "speculative decoding"),
+    (["--enable-lora"], "LoRA"),
+])
+def test_engine_side_features_are_refused_at_start_up(flags, words, smollm2):
+    from ttserve.gateway.server import StartupError, parse_vllm_args
+    with pytest.raises(StartupError, match=words):
+        parse_vllm_args(["--model", str(smollm2), *flags])
