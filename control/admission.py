@@ -19,9 +19,6 @@ class AdmissionError(ValueError):
     """The request itself is wrong (HTTP 400)."""
 
 
-class Unavailable(RuntimeError):
-    """The service cannot take requests now (HTTP 503)."""
-
 
 @dataclass(slots=True, frozen=True)
 class Limits:

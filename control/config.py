@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "decode; default: whenever it does")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="lanes (data-parallel KV caches) per worker; --max-num-seqs is per lane")
+    g.add_argument("--tokenizer", default="", metavar="PATH",
+                   help="the model's tokenizer.json (or its folder), read to enforce structured "
+                        "outputs; default: the folder of the model the first worker serves")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -65,7 +68,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling,
-                        max_consecutive_prefills=args.max_consecutive_prefill_steps)
+                        max_consecutive_prefills=args.max_consecutive_prefill_steps,
+                        tokenizer=args.tokenizer)
 
 
 def run(args: argparse.Namespace) -> int:

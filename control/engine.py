@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ttserve.v1 import engine_pb2
 
 from .admission import AdmissionError, Limits, check_request
+from .grammar import Grammar, GrammarCompiler, GrammarError
 from .placement import Candidate, choose_lane
 from .request import FinishReason, Request
 from .wire import WorkerDescription, admission_pb, output_to_pb, request_from_pb
@@ -29,6 +31,9 @@ class Engine:
         self.groups = [WorkerGroup(i, address, config, self._publish, self._fail)
                        for i, address in enumerate(config.workers)]
         self.serving: ServingLimits | None = None
+        # Grammars compile here, never on the event loop that runs the step loops.
+        self.grammars: GrammarCompiler | None = None
+        self._compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ttserve-grammar")
         self.fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     @property
@@ -77,9 +82,42 @@ class Engine:
                                    for i, lane in enumerate(g.group.lanes)], request)
         request.worker, request.lane = group, lane.lane
         self.requests[request.request_id] = request
+        if request.grammar_spec is not None:
+            request.ready = False  # waits aside until its grammar has compiled
+            self._compile(request)
         lane.add(request)
         queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_ACCEPTED))
         self.groups[group].wake()
+
+    def _compile(self, request: Request) -> None:
+        """Compile the request's grammar on the pool; when done, the request becomes ready (or
+        ends with an error that says why the grammar does not compile)."""
+        compiler, spec = self.grammars, request.grammar_spec
+        assert compiler is not None and spec is not None
+        started = time.monotonic()
+        future = asyncio.get_running_loop().run_in_executor(self._compile_pool, compiler.compile, spec)
+
+        def done(f: asyncio.Future[Grammar]) -> None:
+            if self.requests.get(request.request_id) is not request:
+                return  # aborted or failed while compiling
+            group = self.groups[request.worker]
+            error = f.exception() if not f.cancelled() else GrammarError("grammar compilation was cancelled")
+            if error is None:
+                request.grammar, request.ready = f.result(), True
+                log.debug("request %s: %s grammar compiled in %.3f s", request.request_id, spec.kind,
+                          time.monotonic() - started)
+            else:
+                message = str(error) if isinstance(error, GrammarError) else \
+                    f"structured output failed to compile: {type(error).__name__}: {error}"
+                log.info("request %s: %s", request.request_id, message)
+                if group.group is not None:
+                    group.group.lanes[request.lane].finish(request, FinishReason.ERROR, message)
+                else:
+                    request.finish_reason, request.error = FinishReason.ERROR, message
+                self._publish(0, [request])
+            group.wake()
+
+        future.add_done_callback(done)
 
     def abort(self, request_ids: list[str]) -> None:
         """Client aborts end silently (the client already knows); unknown ids are ignored."""
@@ -107,6 +145,7 @@ class Engine:
         finally:
             for task in tasks:
                 task.cancel()
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     def _check_limits(self, d: WorkerDescription, lane_capacity: int) -> ServingLimits:
         """The first worker fixes the serving limits; later ones must serve the same model and
@@ -118,6 +157,8 @@ class Engine:
                             max_model_len, lane_capacity, lane_capacity)
                 max_model_len = lane_capacity
             self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len)
+            self.grammars = GrammarCompiler(self.config.tokenizer or d.model_path, d.vocab_size,
+                                            d.eos_token_ids)
             return self.serving
         s = self.serving
         if (d.architecture, d.vocab_size) != (s.architecture, s.vocab_size):

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .grammar import Grammar, GrammarSpec
 
 
 class RequestStatus(enum.Enum):
@@ -93,6 +97,10 @@ class Request:
     # False while waiting for something other than KV (a grammar compiling): the scheduler
     # sets it aside without blocking the queue behind it.
     ready: bool = True
+    # Structured output: the spec asked for, and its compiled state once ready (grammar.py).
+    # The grammar has consumed exactly output_token_ids; every sampled token is masked by it.
+    grammar_spec: GrammarSpec | None = None
+    grammar: Grammar | None = None
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
@@ -120,6 +128,12 @@ class Request:
         and samples the next one, after which exactly the last token lacks KV: decode feeds it.
         """
         return not self.prefilled
+
+    @property
+    def needs_host_sampler(self) -> bool:
+        """Its steps sample on the host (a grammar masks every token), so they are never
+        pipelined (min_tokens aside: it lapses)."""
+        return self.sampling.needs_host_sampler or self.grammar_spec is not None
 
     @property
     def is_finished(self) -> bool:

@@ -120,6 +120,7 @@ class Scheduler:
         elif kind is StepKind.DECODE:
             self._fill_decode(plan)
         plan.kind = StepKind.PREFILL if plan.prefill else StepKind.DECODE if plan.decode else StepKind.EMPTY
+        self._mask(plan)
         # A request preempted while planning leaves its id in _released.
         plan.released_ids += self._released
         self._released = []
@@ -150,10 +151,10 @@ class Scheduler:
             if (len(request.output_token_ids) + in_flight >= request.sampling.max_tokens
                     or position + 1 > self.config.max_model_len):
                 continue  # `previous` ends it
-            if (request.sampling.needs_host_sampler
+            if (request.needs_host_sampler
                     or request.sampling.min_tokens > len(request.output_token_ids) + in_flight):
-                # Its batch samples on the host (min_tokens masks its EOS; penalties, bad words
-                # and logprobs read every token so far): no device-resident pipeline.
+                # Its batch samples on the host (min_tokens masks its EOS; penalties, bad words,
+                # logprobs and grammars read every token so far): no device-resident pipeline.
                 return None
             needed += max(self.pool.blocks_for(position + 1) - len(request.block_ids), 0)
             plan.decode.append(DecodeWork(request, None, position, []))
@@ -168,6 +169,14 @@ class Scheduler:
         if not plan.decode:
             plan.kind = StepKind.EMPTY
         return plan
+
+    @staticmethod
+    def _mask(plan: StepPlan) -> None:
+        """Each sampling row of a request with a grammar carries the grammar's mask for the
+        token it samples (the grammar has consumed every token before it)."""
+        for work in (*(w for w in plan.prefill if w.sample), *plan.decode):
+            if work.request.grammar is not None:
+                work.bitmask = work.request.grammar.bitmask()
 
     def _set_aside(self) -> None:
         """Requests not ready to run (grammar compiling) wait aside; ready ones return to the
@@ -373,3 +382,16 @@ class Scheduler:
         if stop is not None:
             reason, request.stop_token_id = stop
             self.finish(request, reason)
+        elif request.grammar is not None:
+            self._advance_grammar(request, token_id)
+
+    def _advance_grammar(self, request: Request, token_id: int) -> None:
+        """Feed the grammar its request's new token; a token it refuses ends the request with an
+        error. A complete grammar allows only EOS, so the request ends on that EOS as in vLLM
+        (whose frontend hides the token a STOP ends on: ending without one would cut the output's
+        last token from the text); tokens after completion (ignore_eos) are not fed, as in vLLM."""
+        grammar = request.grammar
+        assert grammar is not None
+        if not grammar.is_complete and not grammar.accept(token_id):
+            self.finish(request, FinishReason.ERROR, f"the worker sampled token {token_id}, which the "
+                        f"request's structured output does not allow: {grammar.error}")

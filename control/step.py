@@ -20,6 +20,7 @@ class PrefillWork:
     end: int                    # one past the chunk's last position
     new_block_ids: list[int]
     sample: bool                # the chunk ends the known tokens: the next token is sampled
+    bitmask: bytes = b""        # the request's grammar mask for the sampled token; b"" = none
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class DecodeWork:
     token_id: int | None        # the last token, fed at `position`; None: the token the worker
     position: int               # sampled for this request in the step before (async decode)
     new_block_ids: list[int]
+    bitmask: bytes = b""        # the request's grammar mask for the sampled token; b"" = none
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ttserve.v1 import device_pb2, engine_pb2
 
+from .grammar import GrammarSpec
 from .request import FinishReason, Request, SamplingParams, TokenLogprobs
 from .step import StepKind, StepPlan
 
@@ -34,8 +35,20 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
     unsupported = ["prompt_logprobs"] if s.HasField("prompt_logprobs") else []
     request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
                       sampling=sampling, client_id=client_id,
-                      arrival_time=add.arrival_time or time.time(), cache_salt=add.cache_salt)
+                      arrival_time=add.arrival_time or time.time(), cache_salt=add.cache_salt,
+                      grammar_spec=_grammar_spec(add))
     return request, unsupported
+
+
+def _grammar_spec(add: engine_pb2.AddRequest) -> GrammarSpec | None:
+    if not add.HasField("structured_output"):
+        return None
+    so = add.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        return None
+    text = "" if kind == "json_object" else getattr(so, kind)
+    return GrammarSpec(kind, text, so.whitespace_flexible, so.disable_additional_properties)
 
 
 def output_to_pb(request: Request) -> engine_pb2.RequestOutput:
@@ -109,14 +122,16 @@ def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_nu
         for work in plan.prefill:
             all_ids = work.request.all_token_ids
             batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
-                              start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample)
+                              start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample,
+                              token_bitmask=work.bitmask)
         for work in plan.decode:
             if work.token_id is None:
                 batch.decode.add(request_id=work.request.request_id, use_previous_token=True,
                                  position=work.position, new_block_ids=work.new_block_ids)
             else:
                 batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
-                                 position=work.position, new_block_ids=work.new_block_ids)
+                                 position=work.position, new_block_ids=work.new_block_ids,
+                                 token_bitmask=work.bitmask)
     return batch
 
 

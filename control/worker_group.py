@@ -35,6 +35,7 @@ class EngineConfig:
     max_consecutive_prefills: int = 2
     async_scheduling: bool | None = None  # None: whenever the worker supports async decode
     reconnect_interval_s: float = 1.0
+    tokenizer: str = ""               # for grammars; "" = the first worker's model folder
 
 
 @dataclass(slots=True)
@@ -221,7 +222,7 @@ class WorkerGroup:
     def _drain_reason(group: LaneGroup) -> str:
         if any(lane.wants_prefill() for lane in group.lanes):
             return "prefill"
-        if any(r.sampling.needs_host_sampler or r.sampling.min_tokens > len(r.output_token_ids)
+        if any(r.needs_host_sampler or r.sampling.min_tokens > len(r.output_token_ids)
                for lane in group.lanes for r in lane.running):
             return "host_sampler"
         return "batch_changed"

@@ -7,6 +7,7 @@ the per-request facts the proto does not repeat (prompt length, EOS id) kept in 
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -51,7 +52,8 @@ def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
     unsupported = [name for name, is_set in (
         ("logprob_token_ids", sp.logprob_token_ids is not None),
         ("prompt_logprob_token_ids", sp.prompt_logprob_token_ids is not None),
-        ("structured outputs (response_format / guided decoding)", sp.structured_outputs is not None),
+        ("structured outputs with structural_tag",
+         sp.structured_outputs is not None and sp.structured_outputs.structural_tag is not None),
         ("repetition_detection", sp.repetition_detection is not None),
         ("thinking_token_budget", sp.thinking_token_budget is not None),
     ) if is_set]
@@ -77,7 +79,38 @@ def eos_token_ids(request: EngineCoreRequest) -> list[int]:
     return sorted(ids)
 
 
-def to_add_request(request: EngineCoreRequest) -> engine_pb2.AddRequest:
+def structured_output(request: EngineCoreRequest, disable_any_whitespace: bool = True,
+                      disable_additional_properties: bool = True) -> engine_pb2.StructuredOutput | None:
+    """The request's structured-output spec as vLLM's frontend validated it (the text its
+    get_structured_output_key yields), or None. The two flags are the gateway's
+    --structured-outputs-config; the request's own can only turn them on. By default JSON is
+    compact and schema objects take only their listed properties (as vLLM's default xgrammar
+    backend enforces them; tool-call schemas rely on it)."""
+    sp = request.sampling_params
+    so = sp.structured_outputs if sp is not None else None
+    if so is None:
+        return None
+    out = engine_pb2.StructuredOutput(
+        backend=so._backend or "",
+        whitespace_flexible=not (disable_any_whitespace or so.disable_any_whitespace),
+        disable_additional_properties=disable_additional_properties or so.disable_additional_properties)
+    if so.json is not None:
+        out.json = so.json if isinstance(so.json, str) else json.dumps(so.json)
+    elif so.json_object:
+        out.json_object = True
+    elif so.regex is not None:
+        out.regex = so.regex
+    elif so.choice is not None:
+        out.choice = so.choice if isinstance(so.choice, str) else json.dumps(so.choice)
+    elif so.grammar is not None:
+        out.grammar = so.grammar
+    else:
+        return None
+    return out
+
+
+def to_add_request(request: EngineCoreRequest, disable_any_whitespace: bool = True,
+                   disable_additional_properties: bool = True) -> engine_pb2.AddRequest:
     sp = request.sampling_params
     assert sp is not None and sp.max_tokens is not None, "InputProcessor fills max_tokens"
     sampling = engine_pb2.SamplingParams(
@@ -94,10 +127,14 @@ def to_add_request(request: EngineCoreRequest) -> engine_pb2.AddRequest:
         sampling.logprobs = sp.logprobs
     if sp.prompt_logprobs is not None:
         sampling.prompt_logprobs = sp.prompt_logprobs
-    return engine_pb2.AddRequest(
+    add = engine_pb2.AddRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids or (),
         sampling=sampling, eos_token_ids=eos_token_ids(request), arrival_time=request.arrival_time,
         cache_salt=request.cache_salt or "", priority=request.priority)
+    spec = structured_output(request, disable_any_whitespace, disable_additional_properties)
+    if spec is not None:
+        add.structured_output.CopyFrom(spec)
+    return add
 
 
 @dataclass(slots=True)

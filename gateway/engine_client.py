@@ -244,7 +244,10 @@ class GrpcEngineCoreClient(EngineCoreClient):
         session = self._session
         if session is None:
             raise self._refused(request_id, ControlPlaneUnavailable(self.unreachable_message))
-        message = engine_pb2.ClientMessage(add=convert.to_add_request(request))
+        config = self.vllm_config.structured_outputs_config if self.vllm_config is not None else None
+        message = engine_pb2.ClientMessage(add=convert.to_add_request(request) if config is None else
+                                           convert.to_add_request(request, config.disable_any_whitespace,
+                                                                  config.disable_additional_properties))
         future: asyncio.Future[engine_pb2.Admission] = self._loop.create_future()
         self._verdicts[request_id] = future
         self._tracks[request_id] = convert.RequestTrack.of(request)

@@ -128,6 +128,13 @@ def vllm_argv(args: argparse.Namespace, model: str, model_info: engine_pb2.Model
                  "disable_log_stats", "disable_uvicorn_access_log"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
+    # Structured outputs: the frontend validates with llguidance (the library the control plane
+    # enforces with); JSON is compact so greedy decoding cannot loop on whitespace, and schema
+    # objects take only their listed properties, as vLLM's default xgrammar backend enforces
+    # (tool-call schemas rely on it). A --structured-outputs-config in --vllm-args comes later
+    # and wins.
+    argv += ["--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true, '
+             '"disable_additional_properties": true}']
     return argv + shlex.split(args.vllm_args or "")
 
 

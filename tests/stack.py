@@ -110,6 +110,7 @@ def start_worker(tmp: Path, model: str, port: int | None = None, *extra: str,
 
 def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
                 worker_flags: tuple[str, ...] = (), gateway: bool = True, workers: int = 1,
+                gateway_flags: tuple[str, ...] = (),
                 env: dict | None = None) -> Stack:
     """Workers, a control plane and (optionally) a gateway, each its own process; `env`: variables
     added to every service's environment."""
@@ -129,7 +130,7 @@ def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
             http_port = free_port()
             stack.http_url = f"http://127.0.0.1:{http_port}"
             stack.services.append(Service("gateway", ["ttserve.gateway", "--port", str(http_port), "--control",
-                                                      stack.control_address],
+                                                      stack.control_address, *gateway_flags],
                                           tmp / f"gateway-{http_port}.log").start(env))
             wait_until(lambda: http_ok(f"{stack.http_url}/health"), 300, "the gateway", stack)
     except BaseException:

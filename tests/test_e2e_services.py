@@ -228,3 +228,33 @@ def test_up_refuses_a_flag_no_service_declares():
     done = subprocess.run([sys.executable, "-m", "ttserve.cli", "up", "--no-such-flag", "3"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--no-such-flag" in done.stderr
+
+
+def test_grammar_is_enforced_for_a_tokenless_client_and_a_bad_one_ends_with_an_error(control, smollm2):
+    """The control plane reads the worker's model folder for its tokenizer; a grammar that does
+    not compile (a client without the gateway's validation) ends its request with an error."""
+    import re
+
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    session = EngineClient(control.control_address)
+    prompt = tokenizer.encode("The answer is").ids
+    session.add("regex", prompt, 16, structured_output=engine_pb2.StructuredOutput(regex="(red|green) [0-9]{2}"))
+    session.add("bad", prompt, 16, structured_output=engine_pb2.StructuredOutput(regex="(unclosed"))
+    tokens: dict[str, list[int]] = {"regex": [], "bad": []}
+    finished: dict[str, engine_pb2.RequestOutput] = {}
+    while len(finished) < 2:
+        message = session.next()
+        if message.HasField("admission"):
+            assert message.admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED, message
+            continue
+        for out in message.outputs.outputs:
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason:
+                finished[out.request_id] = out
+    session.close()
+    assert finished["regex"].finish_reason == engine_pb2.FINISH_REASON_STOP
+    assert tokens["regex"][-1] == 2 and re.fullmatch("(red|green) [0-9]{2}", tokenizer.decode(tokens["regex"][:-1]))
+    assert finished["bad"].finish_reason == engine_pb2.FINISH_REASON_ERROR and not tokens["bad"]
+    assert "regex" in finished["bad"].error
+

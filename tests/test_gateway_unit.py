@@ -97,11 +97,35 @@ def test_ignore_eos_still_reports_every_eos_id_and_only_user_stop_ids():
 
 @pytest.mark.parametrize("sampling, word", [
     ({"logprob_token_ids": [3, 4]}, "logprob_token_ids"),
-    ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured outputs"),
+    ({"structured_outputs": StructuredOutputsParams(structural_tag='{"structures": []}')}, "structural_tag"),
 ])
 def test_options_the_protocol_cannot_carry_are_named(sampling, word):
     reason = convert.unsupported_by_protocol(core_request(**sampling))
     assert reason is not None and word in reason
+
+
+@pytest.mark.parametrize("params, kind, text", [
+    (StructuredOutputsParams(json={"type": "object"}), "json", '{"type": "object"}'),
+    (StructuredOutputsParams(json='{"type": "string"}'), "json", '{"type": "string"}'),
+    (StructuredOutputsParams(json_object=True), "json_object", True),
+    (StructuredOutputsParams(regex="a+"), "regex", "a+"),
+    (StructuredOutputsParams(choice=["x", "y"]), "choice", '["x", "y"]'),
+    (StructuredOutputsParams(grammar="start: /a+/"), "grammar", "start: /a+/"),
+])
+def test_structured_outputs_are_carried_with_compact_json_by_default(params, kind, text):
+    request = core_request(structured_outputs=params)
+    assert convert.unsupported_by_protocol(request) is None
+    so = convert.to_add_request(request).structured_output
+    assert so.WhichOneof("kind") == kind and getattr(so, kind) == text
+    assert not so.whitespace_flexible
+    assert so.disable_additional_properties  # as vLLM's default xgrammar backend enforces schemas
+    flexible = convert.to_add_request(request, disable_any_whitespace=False,
+                                      disable_additional_properties=False).structured_output
+    assert flexible.whitespace_flexible and not flexible.disable_additional_properties
+
+
+def test_request_without_structured_output_carries_none():
+    assert not convert.to_add_request(core_request()).HasField("structured_output")
 
 
 def test_plain_request_is_carried():

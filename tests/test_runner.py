@@ -146,3 +146,23 @@ def test_host_options_send_the_batch_to_the_host_and_return_logprobs(smollm2):
 def test_a_resumed_request_rebuilds_its_token_history_instead_of_doubling_it(smollm2, penalties):
     straight, _ = _run_penalised(runner(smollm2)[0], 10, **penalties)
     assert _run_penalised(runner(smollm2)[0], 10, resume_after=4, **penalties)[0] == straight
+
+
+def test_a_grammar_bitmask_sends_its_batch_to_the_host_and_masks_the_token(smollm2):
+    r, _ = runner(smollm2, sample_on_device_mode="all")
+    vocab = r.vocab_size
+    allowed = 1234  # the only token the mask allows (bit 1234 % 32 of little-endian word 1234 // 32)
+    words = [0] * ((vocab + 31) // 32)
+    words[allowed // 32] = 1 << (allowed % 32)
+    mask = b"".join(w.to_bytes(4, "little") for w in words)
+    news = [NewRequest(rid, 0, row, 0.0, 1.0, 0, None) for row, rid in enumerate(PROMPTS)]
+    result = r.execute(StepBatch(1, "prefill", new_requests=news, prefill=[
+        PrefillChunk("greedy", PROMPTS["greedy"], 0, [0], True, mask),
+        PrefillChunk("seeded", PROMPTS["seeded"], 0, [1], True)]))
+    assert not result.sampled_on_device and result.tokens["greedy"] == allowed
+    items = [DecodeItem("greedy", allowed, len(PROMPTS["greedy"]), [], token_bitmask=mask),
+             DecodeItem("seeded", result.tokens["seeded"], len(PROMPTS["seeded"]), [])]
+    decode = r.execute(StepBatch(2, "decode", decode=items))
+    assert not decode.sampled_on_device and decode.tokens["greedy"] == allowed
+    items = [DecodeItem(rid, decode.tokens[rid], len(PROMPTS[rid]) + 1, []) for rid in PROMPTS]
+    assert r.execute(StepBatch(3, "decode", decode=items)).sampled_on_device  # no mask: back on the device

@@ -47,10 +47,11 @@ class EngineClient:
             pass  # closed
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, eos_token_ids=(2,),
-            **sampling) -> None:
+            structured_output: engine_pb2.StructuredOutput | None = None, **sampling) -> None:
         self._outgoing.put(engine_pb2.ClientMessage(add=engine_pb2.AddRequest(
             request_id=request_id, prompt_token_ids=prompt, eos_token_ids=list(eos_token_ids),
-            sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, **sampling))))
+            sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, **sampling),
+            structured_output=structured_output)))
 
     def abort(self, *request_ids: str) -> None:
         self._outgoing.put(engine_pb2.ClientMessage(abort=engine_pb2.AbortRequests(request_ids=request_ids)))

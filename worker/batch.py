@@ -62,6 +62,7 @@ class PrefillChunk:
     start_pos: int
     new_block_ids: list[int]
     sample: bool
+    token_bitmask: bytes = b""     # grammar mask of the sampled token (device.proto); b"" = none
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ class DecodeItem:
     position: int
     new_block_ids: list[int]
     use_previous_token: bool = False
+    token_bitmask: bytes = b""     # grammar mask of the sampled token (device.proto); b"" = none
 
 
 @dataclass(slots=True)

@@ -301,8 +301,10 @@ class ModelRunner:
         rows = [s.row for s in states]
         # An intermediate chunk samples nothing: greedy and without its generator, so a seeded
         # request draws the same random numbers however its prompt was chunked.
-        sampling = _sampling_batch([s if c.sample else None for s, c in zip(states, chunks)])
-        on_device = self._samples_on_device("prefill", states, all(c.sample for c in chunks))
+        sampling = _sampling_batch([s if c.sample else None for s, c in zip(states, chunks)],
+                                   [c.token_bitmask if c.sample else None for c in chunks])
+        on_device = self._samples_on_device("prefill", states, all(c.sample for c in chunks),
+                                            any(c.token_bitmask for c in chunks))
         out = self.device_api.prefill(
             self.model, tokens=tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
             prompt_lens=torch.tensor([c.start_pos + len(c.token_ids) for c in chunks]),
@@ -322,11 +324,13 @@ class ModelRunner:
         wanted = {c.request_id: lp for c, lp in zip(chunks, logprobs) if lp is not None}
         return tokens, wanted, on_device
 
-    def _samples_on_device(self, kind: str, states: list[RequestState], no_partial_chunk: bool) -> bool:
+    def _samples_on_device(self, kind: str, states: list[RequestState], no_partial_chunk: bool,
+                           masked: bool = False) -> bool:
         """Device sampling is decided per batch: one request that needs the host sampler (or an
-        intermediate prefill chunk in the batch) sends the whole batch there."""
+        intermediate prefill chunk, or a grammar bitmask, in the batch) sends the whole batch
+        there."""
         return (self.capabilities.get("supports_sample_on_device", False)
-                and self.options.device_sampling(kind) and no_partial_chunk
+                and self.options.device_sampling(kind) and no_partial_chunk and not masked
                 and not any(s.needs_host_sampler for s in states))
 
     def _decode(self, items: list[DecodeItem], launched: Launched, pipelined: bool) -> None:
@@ -335,14 +339,16 @@ class ModelRunner:
         tokens = torch.zeros(rows, 1, dtype=torch.long)
         positions = torch.full((rows,), -1, dtype=torch.long)  # -1: an empty row
         by_row: list[RequestState | None] = [None] * rows
+        masks: list[bytes | None] = [None] * rows
         for item in items:
             state = self._state(item.request_id, item.new_block_ids)
             # The previous step's token, possibly still on the device (async decode).
             tokens[state.row, 0] = self._previous_tokens[state.row] if item.use_previous_token else item.token_id
             positions[state.row] = item.position
             by_row[state.row] = state
-        sampling = _sampling_batch(by_row)
-        on_device = self._samples_on_device("decode", [s for s in by_row if s], True)
+            masks[state.row] = item.token_bitmask or None
+        sampling = _sampling_batch(by_row, masks)
+        on_device = self._samples_on_device("decode", [s for s in by_row if s], True, any(masks))
         launched.result.sampled_on_device = on_device
         pending = self.device_api.launch_decode(
             self.model, self.device_api.sampling_params(sampling, [s.seed if s else None for s in by_row])
@@ -378,7 +384,8 @@ class ModelRunner:
         return tokens
 
 
-def _sampling_batch(states: list[RequestState | None]) -> SamplingBatch:
+def _sampling_batch(states: list[RequestState | None], bitmasks: list[bytes | None] | None = None
+                    ) -> SamplingBatch:
     """Per-row sampling parameters; rows without a state (padding, intermediate chunks) are greedy."""
     return SamplingBatch(
         temperature=[s.temperature if s else 0.0 for s in states],
@@ -386,4 +393,5 @@ def _sampling_batch(states: list[RequestState | None]) -> SamplingBatch:
         top_p=[s.top_p if s else 1.0 for s in states],
         generators=[s.generator if s else None for s in states],
         blocked_token_ids=[s.blocked_token_ids if s else None for s in states],
-        host=[s.host if s else None for s in states])
+        host=[s.host if s else None for s in states],
+        bitmasks=bitmasks or [])

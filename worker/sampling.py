@@ -38,6 +38,9 @@ class SamplingBatch:
     blocked_token_ids: list[list[int] | None] = field(default_factory=list)
     # Per row, the options only the host sampler applies, or None.
     host: list[HostSampling | None] = field(default_factory=list)
+    # Per row, a grammar's allowed tokens (llguidance's bitmask: bit i of little-endian int32
+    # words allows token i; ids past its end are disallowed), or None.
+    bitmasks: list[bytes | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.temperature)
@@ -47,7 +50,10 @@ class SamplingBatch:
             self.blocked_token_ids = [None] * n
         if not self.host:
             self.host = [None] * n
-        if not (len(self.top_k) == len(self.top_p) == len(self.generators) == len(self.host) == n):
+        if not self.bitmasks:
+            self.bitmasks = [None] * n
+        if not (len(self.top_k) == len(self.top_p) == len(self.generators) == len(self.host)
+                == len(self.bitmasks) == n):
             raise ValueError(
                 f"SamplingBatch fields differ in length: temperature={n} top_k={len(self.top_k)} "
                 f"top_p={len(self.top_p)} generators={len(self.generators)} host={len(self.host)}")
@@ -60,7 +66,7 @@ class SamplingBatch:
         pick = lambda values: [values[r] for r in rows]  # noqa: E731
         return SamplingBatch([float(t) for t in pick(self.temperature)], [int(k) for k in pick(self.top_k)],
                              [float(p) for p in pick(self.top_p)], pick(self.generators),
-                             pick(self.blocked_token_ids), pick(self.host))
+                             pick(self.blocked_token_ids), pick(self.host), pick(self.bitmasks))
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingBatch:
@@ -127,17 +133,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The logits after the rules that apply before temperature, in vLLM's order: allowed
-    token ids, bad words, min_tokens' blocked ids and logit_bias, then repetition, frequency
-    and presence penalties. Returns `logits` itself when no row has any."""
-    rows = [i for i, (blocked, host) in enumerate(zip(batch.blocked_token_ids, batch.host))
-            if blocked or (host is not None and host.active)]
+    """The logits after the rules that apply before temperature, in vLLM's order: the grammar
+    bitmask (vLLM applies it to the logits before the sampler), allowed token ids, bad words,
+    min_tokens' blocked ids and logit_bias, then repetition, frequency and presence penalties.
+    Returns `logits` itself when no row has any."""
+    rows = [i for i, (blocked, host, mask) in enumerate(zip(batch.blocked_token_ids, batch.host, batch.bitmasks))
+            if blocked or mask or (host is not None and host.active)]
     if not rows:
         return logits
     logits = logits.float().clone()
     vocab = logits.shape[-1]
     for i in rows:
         row, host, blocked = logits[i], batch.host[i], batch.blocked_token_ids[i]
+        if batch.bitmasks[i]:
+            row.masked_fill_(~bitmask_allowed(batch.bitmasks[i], vocab).to(row.device), float("-inf"))
         if host is not None and host.allowed_token_ids:
             banned = torch.ones(vocab, dtype=torch.bool, device=row.device)
             banned[host.allowed_token_ids] = False
@@ -154,6 +163,17 @@ def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         if host is not None and host.has_penalties:
             _apply_penalties(row, host)
     return logits
+
+
+def bitmask_allowed(bitmask: bytes, vocab: int) -> torch.Tensor:
+    """[vocab] bool: the tokens a grammar bitmask allows (bit i of little-endian int32 words,
+    i.e. bit i % 8 of byte i // 8); ids past the mask's end are not allowed."""
+    bits = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten().bool()
+    if allowed.numel() >= vocab:
+        return allowed[:vocab]
+    return torch.cat([allowed, torch.zeros(vocab - allowed.numel(), dtype=torch.bool)])
 
 
 def _ends_with(tokens: list[int], prefix: list[int]) -> bool:

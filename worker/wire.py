@@ -19,10 +19,10 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
                                  r.num_output_tokens, _host_sampling(r))
                       for r in b.new_requests],
         released_ids=list(b.released_request_ids),
-        prefill=[PrefillChunk(c.request_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample)
-                 for c in b.prefill],
-        decode=[DecodeItem(d.request_id, d.token_id, d.position, list(d.new_block_ids), d.use_previous_token)
-                for d in b.decode],
+        prefill=[PrefillChunk(c.request_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
+                              c.token_bitmask) for c in b.prefill],
+        decode=[DecodeItem(d.request_id, d.token_id, d.position, list(d.new_block_ids), d.use_previous_token,
+                           d.token_bitmask) for d in b.decode],
         async_readback=b.async_readback)
 
 
