@@ -179,7 +179,14 @@ def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
                            "backend: ttserve's devices run one token per decode step")
     if getattr(vllm_args, "enable_lora", False):
         raise StartupError("LoRA (--enable-lora) is not supported on this backend")
+    if (getattr(vllm_args, "max_logprobs", 0) or 0) > MAX_LOGPROBS:
+        # Tenstorrent devices compute at most the top 32; the API's ceiling is 20.
+        log.warning("--max-logprobs %d clamped to %d", vllm_args.max_logprobs, MAX_LOGPROBS)
+        vllm_args.max_logprobs = MAX_LOGPROBS
     return vllm_args
+
+
+MAX_LOGPROBS = 20
 
 
 def build_vllm_config(vllm_args: argparse.Namespace, model_info: engine_pb2.ModelInfo):

@@ -136,6 +136,15 @@ def test_concurrent_requests_match_their_sequential_outputs(stack, model_name):
     assert together == alone
 
 
+def test_continuous_usage_stats_count_up_in_every_chunk(client, model_name):
+    stream = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                       stream=True, stream_options={"include_usage": True,
+                                                                    "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True})
+    counts = [chunk.usage.completion_tokens for chunk in stream if chunk.usage]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) >= 6
+
+
 def test_max_tokens_gives_length_finish_and_exact_usage(client, model_name):
     out = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=5,
                                     temperature=0, extra_body={"ignore_eos": True})

@@ -246,3 +246,9 @@ def test_engine_side_features_are_refused_at_start_up(flags, words, smollm2):
     from ttserve.gateway.server import StartupError, parse_vllm_args
     with pytest.raises(StartupError, match=words):
         parse_vllm_args(["--model", str(smollm2), *flags])
+
+
+def test_max_logprobs_above_twenty_is_clamped_with_a_warning(smollm2, caplog):
+    from ttserve.gateway.server import parse_vllm_args
+    assert parse_vllm_args(["--model", str(smollm2), "--max-logprobs", "50"]).max_logprobs == 20
+    assert "clamped to 20" in caplog.text
