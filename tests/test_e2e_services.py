@@ -26,59 +26,30 @@ def control(tmp_path_factory, smollm2):
     s.stop()
 
 
-def collect(session: EngineClient, ids: set[str]) -> tuple[dict[str, list[int]], dict[str, int], list[int]]:
-    """Run until every id finished: tokens per id, finish reasons, and outputs-per-message."""
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    finished: dict[str, int] = {}
-    per_message = []
-    while len(finished) < len(ids):
-        message = session.next()
-        if message.HasField("admission"):
-            assert message.admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED, message
-            continue
-        per_message.append(len(message.outputs.outputs))
-        for out in message.outputs.outputs:
-            tokens[out.request_id] += out.new_token_ids
-            if out.finish_reason:
-                finished[out.request_id] = out.finish_reason
-    return tokens, finished, per_message
-
-
 def test_tokenless_grpc_client_gets_outputs_batched_per_step(control):
     session = EngineClient(control.control_address)
     prompt = [1, 504, 3458, 282, 4649, 314]
     for i in range(3):
         session.add(f"r{i}", prompt, 10, ignore_eos=True)
-    tokens, finished, per_message = collect(session, {"r0", "r1", "r2"})
+    results = session.collect({"r0", "r1", "r2"})
     session.close()
-    assert all(len(t) == 10 for t in tokens.values())
-    assert tokens["r0"] == tokens["r1"] == tokens["r2"]  # greedy, same prompt
-    assert set(finished.values()) == {engine_pb2.FINISH_REASON_LENGTH}
-    assert max(per_message) == 3  # one message per step carries every request's delta
+    assert all(len(r.token_ids) == 10 for r in results.values())
+    assert results["r0"].token_ids == results["r1"].token_ids == results["r2"].token_ids  # greedy
+    assert {r.finish_reason for r in results.values()} == {engine_pb2.FINISH_REASON_LENGTH}
+    # One message per step carries every request's delta.
+    assert max(results["r0"].outputs_per_message) == 3
 
 
 def test_grpc_logprobs_come_with_each_token_greedy_at_rank_one(control):
     session = EngineClient(control.control_address)
     session.add("lp", [1, 504, 3458, 282, 4649, 314], 6, ignore_eos=True, logprobs=3)
     session.add("plain", [1, 504, 3458, 282, 4649, 314], 6, ignore_eos=True)
-    tokens, entries, done = {"lp": [], "plain": []}, [], set()
-    while len(done) < 2:
-        message = session.next()
-        if message.HasField("admission"):
-            assert message.admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED, message
-            continue
-        for out in message.outputs.outputs:
-            tokens[out.request_id] += out.new_token_ids
-            if out.request_id == "lp":
-                assert len(out.logprobs) == len(out.new_token_ids)
-                entries += out.logprobs
-            else:
-                assert not out.logprobs
-            if out.finish_reason:
-                done.add(out.request_id)
+    results = session.collect({"lp", "plain"})
     session.close()
-    assert tokens["lp"] == tokens["plain"] and len(entries) == 6  # logprobs change nothing sampled
-    for token, entry in zip(tokens["lp"], entries):
+    lp, plain = results["lp"], results["plain"]
+    assert lp.token_ids == plain.token_ids and not plain.logprobs  # logprobs change nothing sampled
+    assert len(lp.logprobs) == 6
+    for token, entry in zip(lp.token_ids, lp.logprobs):
         assert entry.rank == 1 and list(entry.token_ids[:2]) == [token, token] and len(entry.token_ids) == 4
         top = list(entry.logprobs[1:])
         assert entry.logprobs[0] == top[0] and top == sorted(top, reverse=True)
@@ -110,28 +81,14 @@ def test_abort_stops_a_request_and_its_slot_is_reused(control):
     assert session.next().admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED
     assert session.next().outputs.outputs[0].request_id == "a"
     session.abort("a", "never-existed")
-    # Four rows: four fresh requests run at once only if the aborted one released its row.
     for i in range(4):
         session.add(f"b{i}", [1, 2, 3], 3, ignore_eos=True)
-    tokens, finished, _ = collect_ignoring(session, {f"b{i}" for i in range(4)}, ignore={"a"})
+    results = session.collect({f"b{i}" for i in range(4)})
+    worker = session.server_info().workers[0]
     session.close()
-    assert all(len(t) == 3 for t in tokens.values())
-
-
-def collect_ignoring(session, ids, ignore):
-    tokens = {i: [] for i in ids}
-    finished = {}
-    while len(finished) < len(ids):
-        message = session.next()
-        if message.HasField("admission"):
-            continue
-        for out in message.outputs.outputs:
-            if out.request_id in ignore:
-                continue
-            tokens[out.request_id] += out.new_token_ids
-            if out.finish_reason:
-                finished[out.request_id] = out.finish_reason
-    return tokens, finished, None
+    assert all(len(r.token_ids) == 3 for r in results.values())
+    # The aborted request holds nothing: no row, no KV block.
+    assert worker.num_running == 0 and worker.kv_blocks_used == 0
 
 
 def test_protocol_mismatch_is_refused_naming_both_versions(control):
@@ -241,20 +198,11 @@ def test_grammar_is_enforced_for_a_tokenless_client_and_a_bad_one_ends_with_an_e
     prompt = tokenizer.encode("The answer is").ids
     session.add("regex", prompt, 16, structured_output=engine_pb2.StructuredOutput(regex="(red|green) [0-9]{2}"))
     session.add("bad", prompt, 16, structured_output=engine_pb2.StructuredOutput(regex="(unclosed"))
-    tokens: dict[str, list[int]] = {"regex": [], "bad": []}
-    finished: dict[str, engine_pb2.RequestOutput] = {}
-    while len(finished) < 2:
-        message = session.next()
-        if message.HasField("admission"):
-            assert message.admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED, message
-            continue
-        for out in message.outputs.outputs:
-            tokens[out.request_id] += out.new_token_ids
-            if out.finish_reason:
-                finished[out.request_id] = out
+    finished = session.collect({"regex", "bad"})
     session.close()
+    regex = finished["regex"].token_ids
     assert finished["regex"].finish_reason == engine_pb2.FINISH_REASON_STOP
-    assert tokens["regex"][-1] == 2 and re.fullmatch("(red|green) [0-9]{2}", tokenizer.decode(tokens["regex"][:-1]))
-    assert finished["bad"].finish_reason == engine_pb2.FINISH_REASON_ERROR and not tokens["bad"]
+    assert regex[-1] == 2 and re.fullmatch("(red|green) [0-9]{2}", tokenizer.decode(regex[:-1]))
+    assert finished["bad"].finish_reason == engine_pb2.FINISH_REASON_ERROR and not finished["bad"].token_ids
     assert "regex" in finished["bad"].error
 

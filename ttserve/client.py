@@ -28,6 +28,8 @@ class Result:
     finish_reason: int = 0
     error: str = ""
     placements: set[tuple[int, int]] = field(default_factory=set)  # (worker, lane) per output
+    logprobs: list = field(default_factory=list)   # engine_pb2.TokenLogprobs per token, if asked
+    outputs_per_message: list[int] = field(default_factory=list)  # this request's messages' sizes
 
 
 class EngineClient:
@@ -76,7 +78,9 @@ class EngineClient:
                 if result is None:
                     continue
                 result.token_ids += out.new_token_ids
+                result.logprobs += out.logprobs
                 result.placements.add((out.worker, out.lane))
+                result.outputs_per_message.append(len(message.outputs.outputs))
                 if out.finish_reason:
                     result.finish_reason, result.error = out.finish_reason, out.error
                     unfinished.discard(out.request_id)
