@@ -196,6 +196,10 @@ class Scheduler:
             # The last known token is always computed: it yields the logits to sample from.
             hashes = extend_block_hashes(request, self.pool.block_size, request.num_tokens - 1)
             hits = self.pool.lookup(hashes)
+            if len(hits) < len(hashes) and hashes[len(hits)] in self._prefix_being_computed():
+                # A running request (a sibling of `n` > 1, or the same prompt just before) is
+                # computing the next blocks now: wait for them to publish and share them.
+                return None
         start = len(hits) * self.pool.block_size
         end = self._chunk_end(request, start, budget)
         if end is None:
@@ -204,6 +208,10 @@ class Scheduler:
         if not self.pool.can_allocate(new_blocks + self.pool.num_free_among(hits)):
             return None
         return hits, end, new_blocks
+
+    def _prefix_being_computed(self) -> set[int]:
+        """Hashes of full blocks that running prefills will publish when their chunks land."""
+        return {h for r in self.running if r.is_prefilling for h in r.block_hashes[r.num_published_blocks:]}
 
     def _chunk_end(self, request: Request, start: int, budget: int) -> int | None:
         """Where a prefill chunk starting at `start` ends within `budget`, or None if none fits."""

@@ -239,6 +239,22 @@ def test_prefix_cache_hit_skips_cached_blocks_and_reports_them():
     assert (s.pool.num_queries, s.pool.num_hits) == (6, 3)
 
 
+def test_identical_prompts_arriving_together_compute_their_prefix_once():
+    # n > 1: the siblings wait one step for the first one's blocks, then share them.
+    s = scheduler(caching=True, block_size=4, budget=64)
+    kids = [make(f"{i}_r", 13, max_tokens=3) for i in range(3)]
+    for kid in kids:
+        s.add(kid)
+    first = run_step(s)
+    assert [w.request for w in first.prefill] == [kids[0]]
+    second = run_step(s)
+    assert [(w.request, w.start) for w in second.prefill] == [(kids[1], 12), (kids[2], 12)]
+    assert kids[1].block_ids[:3] == kids[2].block_ids[:3] == kids[0].block_ids[:3]
+    while s.has_work:
+        run_step(s)
+    assert [k.output_token_ids for k in kids] == [[7, 7, 7]] * 3
+
+
 def test_prefix_hit_always_leaves_the_last_token_to_compute():
     s = scheduler(caching=True, block_size=4)
     s.add(make("a", 12, max_tokens=1))
