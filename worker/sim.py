@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,7 +98,6 @@ class SimOutput:
     """A decode result still on the device until its event completes."""
     tokens: torch.Tensor
     event: SimEvent
-    traced: bool = field(default=True)
 
 
 def next_token(token: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -167,7 +166,7 @@ class SimModel:
         seconds = self.profile.decode_step_s * (1 if traced else self.profile.eager_slowdown)
         positions = torch.as_tensor(start_pos).long()
         out = torch.where(positions >= 0, next_token(tokens.reshape(-1).long(), positions, self.vocab_size), 0)
-        handle = SimOutput(out, SimEvent(self.device.launch(seconds)), traced)
+        handle = SimOutput(out, SimEvent(self.device.launch(seconds)))
         return self.read_decode_output(handle) if read_from_device else handle
 
     def read_decode_output(self, out: SimOutput, async_read: bool = False) -> Any:
