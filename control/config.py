@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default="", metavar="PATH",
                    help="the model's tokenizer.json (or its folder), read to enforce structured "
                         "outputs; default: the folder of the model the first worker serves")
+    g.add_argument("--metrics-port", type=int, default=9401,
+                   help="HTTP port of /metrics, /health and /ready on --host (0: none)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may run before they are aborted")
+    g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a worker holding a step this long without a result is reported stalled")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -59,6 +65,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     workers = tuple(args.worker or ["127.0.0.1:50061"])
     if len(set(workers)) != len(workers):
         raise ConfigError(f"--worker lists an address twice: {' '.join(workers)}")
+    if args.stall_timeout <= 0:
+        raise ConfigError(f"--stall-timeout must be positive seconds, got {args.stall_timeout}")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
+    if not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be a port number (0: none), got {args.metrics_port}")
     if args.max_consecutive_prefill_steps < 1:
         raise ConfigError("--max-consecutive-prefill-steps must be at least 1, got "
                           f"{args.max_consecutive_prefill_steps}")
@@ -69,7 +81,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling,
                         max_consecutive_prefills=args.max_consecutive_prefill_steps,
-                        tokenizer=args.tokenizer)
+                        tokenizer=args.tokenizer, stall_timeout_s=args.stall_timeout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,24 +90,45 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return 2
-    return asyncio.run(_serve(config, args.host, args.port))
+    return asyncio.run(_serve(config, args))
 
 
-async def _serve(config: EngineConfig, host: str, port: int) -> int:
+async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT, then drain: refuse new requests, finish (or after
+    --shutdown-timeout abort) the ones held, and exit 0."""
     from ttserve.grpc_service import ListenError, wait_for_stop
+    from ttserve.ops_http import OpsEndpoints, start_ops_server
 
     from .server import serve
 
     engine = Engine(config)
     try:
-        server = await serve(engine, host, port)
+        service = await serve(engine, args.host, args.port)
     except ListenError as e:
         log.error("%s", e)
         return 1
+    ops = None
+    if args.metrics_port:
+        try:
+            ops = await start_ops_server(args.host, args.metrics_port, OpsEndpoints(
+                engine.metrics.registry,
+                health=lambda: (not engine.draining, "the control plane is shutting down"),
+                ready=lambda: (engine.ready, engine.not_ready_reason)), "control plane")
+        except OSError as e:
+            log.error("%s", e)
+            await service.stop(0)
+            return 1
     runner = asyncio.create_task(engine.run())
     await wait_for_stop(engine.fatal)
+    if not engine.fatal.done():
+        log.info("shutting down: admitting no new requests")
+        await service.drain()
+        await engine.drain(args.shutdown_timeout)
+        engine.close_sessions()
     runner.cancel()
-    await server.stop(grace=2.0)
+    await service.stop(grace=1.0)
+    if ops is not None:
+        await ops.close()
     if engine.fatal.done():
         log.error("%s", engine.fatal.result())
         return 1

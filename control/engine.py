@@ -3,6 +3,7 @@ group, and routes each step's outputs to the client sessions that own the reques
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +12,9 @@ from ttserve.v1 import engine_pb2
 
 from .admission import AdmissionError, Limits, check_request
 from .grammar import Grammar, GrammarCompiler, GrammarError
+from .metrics import ControlMetrics
 from .placement import Candidate, choose_lane
-from .request import FinishReason, Request
+from .request import FinishReason, Request, RequestStatus
 from .wire import WorkerDescription, admission_pb, output_to_pb, request_from_pb
 from .worker_group import EngineConfig, ServingLimits, StartupError, WorkerGroup
 from .worker_link import WorkerError
@@ -20,16 +22,21 @@ from .worker_link import WorkerError
 __all__ = ["Engine", "EngineConfig", "StartupError"]
 
 log = logging.getLogger(__name__)
+# One line per finished request, key=value pairs (logfmt), for log pipelines to parse.
+request_log = logging.getLogger("ttserve.requests")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, metrics: ControlMetrics | None = None) -> None:
         self.config = config
         self.requests: dict[str, Request] = {}
-        self._clients: dict[int, asyncio.Queue[engine_pb2.ServerMessage]] = {}
+        self._clients: dict[int, asyncio.Queue[engine_pb2.ServerMessage | None]] = {}
         self._next_client_id = 1
-        self.groups = [WorkerGroup(i, address, config, self._publish, self._fail)
+        self.metrics = metrics or ControlMetrics()
+        self.groups = [WorkerGroup(i, address, config, self._publish, self._fail, self.metrics)
                        for i, address in enumerate(config.workers)]
+        self.metrics.watch(self)
+        self.draining = False
         self.serving: ServingLimits | None = None
         # Grammars compile here, never on the event loop that runs the step loops.
         self.grammars: GrammarCompiler | None = None
@@ -38,11 +45,19 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        return any(g.ready for g in self.groups)
+        """Can serve a request now: not draining, and some worker is warm and not stalled."""
+        return not self.draining and any(g.ready and not g.stalled for g in self.groups)
 
     @property
     def not_ready_reason(self) -> str:
-        return "; ".join(g.not_ready_reason for g in self.groups)
+        if self.draining:
+            return "the control plane is shutting down"
+        return "; ".join(f"worker {g.index} at {g.address}: {g.state}" for g in self.groups)
+
+    def _serving_groups(self) -> list[WorkerGroup]:
+        """Where new requests go: warm workers, the stalled ones only if no other is left."""
+        ready = [g for g in self.groups if g.ready]
+        return [g for g in ready if not g.stalled] or ready
 
     @property
     def limits(self) -> Limits | None:
@@ -50,7 +65,7 @@ class Engine:
         return Limits(max_model_len=s.max_model_len, vocab_size=s.vocab_size) if s else None
 
     # ---- client sessions -----------------------------------------------------------------
-    def open_session(self) -> tuple[int, asyncio.Queue[engine_pb2.ServerMessage]]:
+    def open_session(self) -> tuple[int, asyncio.Queue[engine_pb2.ServerMessage | None]]:
         client_id = self._next_client_id
         self._next_client_id += 1
         self._clients[client_id] = asyncio.Queue()
@@ -65,17 +80,27 @@ class Engine:
         """Admit or refuse a request; the session always gets exactly one Admission for it."""
         queue = self._clients[client_id]
         limits = self.limits
-        ready = [g for g in self.groups if g.ready]
+        ready = self._serving_groups()
+        if self.draining:
+            self.metrics.refused.labels("draining").inc()
+            queue.put_nowait(admission_pb(
+                add.request_id, engine_pb2.Admission.VERDICT_UNAVAILABLE,
+                "the control plane is shutting down: it finishes the requests it holds and admits "
+                "no new ones; retry on another replica"))
+            return
         if not ready or limits is None:
+            self.metrics.refused.labels("unavailable").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_UNAVAILABLE,
                                           f"no worker is ready ({self.not_ready_reason})"))
             return
         request, unsupported = request_from_pb(add, client_id)
+        request.received_time = time.monotonic()
         try:
             if request.request_id in self.requests:
                 raise AdmissionError(f"request id {request.request_id!r} is already in use")
             check_request(request, unsupported, limits)
         except AdmissionError as e:
+            self.metrics.refused.labels("invalid").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_INVALID_ARGUMENT, str(e)))
             return
         group, lane = choose_lane([Candidate(g.index, i, lane) for g in ready
@@ -110,10 +135,7 @@ class Engine:
                 message = str(error) if isinstance(error, GrammarError) else \
                     f"structured output failed to compile: {type(error).__name__}: {error}"
                 log.info("request %s: %s", request.request_id, message)
-                if group.group is not None:
-                    group.group.lanes[request.lane].finish(request, FinishReason.ERROR, message)
-                else:
-                    request.finish_reason, request.error = FinishReason.ERROR, message
+                self._end(request, FinishReason.ERROR, message)
                 self._publish(0, [request])
             group.wake()
 
@@ -129,6 +151,7 @@ class Engine:
             if group.group is not None:
                 group.group.lanes[request.lane].finish(request, FinishReason.ABORT)
                 group.wake()
+                self._finished(request, time.monotonic())
 
     # ---- workers -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -170,12 +193,45 @@ class Engine:
                               f"below max_model_len {s.max_model_len}: give it more KV memory")
         return s
 
+    # ---- shutdown --------------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> None:
+        """Admit nothing more; let the requests held finish for up to `timeout_s`, then abort
+        the rest with a message that says why, and give the sessions time to deliver it."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self.requests:
+            log.info("draining: %d request(s) in flight, waiting up to %g s for them "
+                     "(--shutdown-timeout)", len(self.requests), timeout_s)
+        while self.requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.requests:
+            message = (f"aborted: the server shut down before this request finished "
+                       f"(--shutdown-timeout {timeout_s:g} s)")
+            left = list(self.requests.values())
+            log.warning("draining: aborting %d request(s) still running after %g s", len(left), timeout_s)
+            for request in left:
+                self._end(request, FinishReason.ABORT, message)
+            self._publish(0, left)
+        flush_deadline = loop.time() + 2.0
+        while any(not q.empty() for q in self._clients.values()) and loop.time() < flush_deadline:
+            await asyncio.sleep(0.02)
+        log.info("drained")
+
+    def close_sessions(self) -> None:
+        """End every client session's stream cleanly (after everything queued on it)."""
+        for queue in self._clients.values():
+            queue.put_nowait(None)
+
     def _publish(self, step_id: int, changed: list[Request]) -> None:
         by_client: dict[int, list[engine_pb2.RequestOutput]] = {}
+        mono = time.monotonic()
         for request in changed:
+            self.metrics.progressed(request, mono)
             by_client.setdefault(request.client_id, []).append(output_to_pb(request))
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+                self._finished(request, mono)
         now = time.time()
         for client_id, outputs in by_client.items():
             queue = self._clients.get(client_id)
@@ -183,9 +239,32 @@ class Engine:
                 queue.put_nowait(engine_pb2.ServerMessage(outputs=engine_pb2.StepOutputs(
                     step_id=step_id, timestamp=now, outputs=outputs)))
 
+    def _finished(self, request: Request, now: float) -> None:
+        self.metrics.finished(request, now)
+        if not request_log.isEnabledFor(logging.INFO):
+            return
+        ttft = (f"{request.first_token_time - request.received_time:.3f}"
+                if request.first_token_time is not None else "-")
+        error = f" error={json.dumps(request.error)}" if request.error else ""
+        request_log.info(
+            "request_finished id=%s worker=%d lane=%d prompt_tokens=%d generated_tokens=%d "
+            "cached_tokens=%d preemptions=%d ttft_s=%s duration_s=%.3f finish_reason=%s%s",
+            json.dumps(request.request_id), request.worker, request.lane, request.num_prompt_tokens,
+            len(request.output_token_ids), request.num_cached_tokens, request.num_preemptions, ttft,
+            now - request.received_time, request.finish_reason.value if request.finish_reason else "-",
+            error)
+
     def _fail(self, lost: list[Request], message: str) -> None:
         """Requests whose worker went away end with an error that says so."""
         failed = [r for r in lost if self.requests.pop(r.request_id, None) is not None]
         for request in failed:
-            request.finish_reason, request.error = FinishReason.ERROR, message
+            self._end(request, FinishReason.ERROR, message)
         self._publish(0, failed)
+
+    def _end(self, request: Request, reason: FinishReason, message: str) -> None:
+        """Finish a request the serving side ends (its lane frees its row and blocks)."""
+        group = self.groups[request.worker].group
+        if group is not None:
+            group.lanes[request.lane].finish(request, reason, message)
+        else:
+            request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, message

@@ -107,6 +107,12 @@ class Request:
     error: str = ""
     # Logprobs of output_token_ids[num_sent_tokens:] (when the request asked for logprobs).
     unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Lifecycle times (time.monotonic() of this process) for metrics and the request log line.
+    received_time: float = 0.0
+    scheduled_time: float | None = None      # first sent to a worker
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_metered_tokens: int = 0              # output tokens the metrics have counted
 
     @property
     def num_prompt_tokens(self) -> int:

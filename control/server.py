@@ -8,7 +8,7 @@ from typing import AsyncIterator
 import grpc
 
 import ttserve
-from ttserve.grpc_service import start_server
+from ttserve.grpc_service import GrpcService, start_server
 from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -32,7 +32,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if get not in done:
                     get.cancel()
                     break  # the client closed its side
-                yield get.result()
+                message = get.result()
+                if message is None:
+                    break  # the control plane is shutting down
+                yield message
         finally:
             reader.cancel()
             self.engine.close_session(client_id)
@@ -63,7 +66,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                             context: grpc.aio.ServicerContext) -> engine_pb2.ServerInfo:
         engine = self.engine
         info = engine_pb2.ServerInfo(protocol_version=PROTOCOL_VERSION, version=ttserve.__version__,
-                                     ready=engine.ready)
+                                     ready=engine.ready, draining=engine.draining)
         for group in engine.groups:
             d = group.description
             lanes = group.group.lanes if group.group else []
@@ -73,11 +76,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                              num_running=sum(len(lane.running) for lane in lanes),
                              num_waiting=sum(len(lane.waiting) + len(lane.skipped) for lane in lanes),
                              kv_blocks_used=sum(lane.pool.num_used for lane in lanes),
-                             kv_blocks_total=sum(lane.pool.num_blocks for lane in lanes))
+                             kv_blocks_total=sum(lane.pool.num_blocks for lane in lanes),
+                             stalled=group.stalled, state=group.state)
         return info
 
 
-async def serve(engine: Engine, host: str, port: int) -> grpc.aio.Server:
+async def serve(engine: Engine, host: str, port: int) -> GrpcService:
     def register(server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServicer_to_server(EngineService(engine), server)
 

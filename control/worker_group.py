@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, deque
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .blocks import BlockPool
 from .lanes import GroupPlan, LaneGroup
+from .metrics import ControlMetrics
 from .phase import PhasePolicy
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
@@ -36,6 +38,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: whenever the worker supports async decode
     reconnect_interval_s: float = 1.0
     tokenizer: str = ""               # for grammars; "" = the first worker's model folder
+    stall_timeout_s: float = 60.0     # a step in flight this long without a result: stalled
 
 
 @dataclass(slots=True)
@@ -46,32 +49,64 @@ class ServingLimits:
     max_model_len: int
 
 
+@dataclass(slots=True)
+class LaneTotals:
+    """Counts that outlive a lane group (it is rebuilt on every reconnect), so the exported
+    counters stay monotonic."""
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+
+    def add(self, group: LaneGroup) -> "LaneTotals":
+        for lane in group.lanes:
+            self.prefix_query_tokens += lane.pool.num_queries * lane.pool.block_size
+            self.prefix_hit_tokens += lane.pool.num_hits * lane.pool.block_size
+            self.preemptions += lane.num_preemptions
+        return self
+
+
 Publish = Callable[[int, list[Request]], None]       # step id, requests with news
 Fail = Callable[[list[Request], str], None]          # requests lost with a worker, why
 
 
 class WorkerGroup:
     def __init__(self, index: int, address: str, config: EngineConfig, publish: Publish,
-                 fail: Fail) -> None:
+                 fail: Fail, metrics: ControlMetrics | None = None) -> None:
         self.index = index
         self.address = address
         self.config = config
         self._publish = publish
         self._fail = fail
+        self.metrics = metrics or ControlMetrics()
         self.group: LaneGroup | None = None
         self.description: WorkerDescription | None = None
         self.not_ready_reason = f"connecting to the worker at {address}"
         self.num_steps = 0
         self.async_decode = False
-        self.drains: Counter[str] = Counter()   # async-decode pipeline drains by reason
-        # Steps by (kind, "traced" | "eager") and by sampling path ("device" | "host").
-        self.steps: Counter[tuple[str, str]] = Counter()
-        self.sampling: Counter[str] = Counter()
+        self.connected = False        # Describe answered and the link is open
+        self.warmup_progress = 0.0    # 0-1, as the worker last reported it
+        self.stalled_since: float | None = None
+        self._retired = LaneTotals()  # counts of lane groups torn down by reconnects
         self._wake = asyncio.Event()
 
     @property
     def ready(self) -> bool:
         return self.group is not None
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_since is not None
+
+    @property
+    def state(self) -> str:
+        if self.stalled_since is not None:
+            return (f"stalled: a step has been in flight for "
+                    f"{time.monotonic() - self.stalled_since + self.config.stall_timeout_s:.0f} s")
+        return "serving" if self.ready else self.not_ready_reason
+
+    def totals(self) -> LaneTotals:
+        totals = replace(self._retired)
+        return totals.add(self.group) if self.group is not None else totals
 
     def wake(self) -> None:
         self._wake.set()
@@ -89,7 +124,12 @@ class WorkerGroup:
                 log.error("%s; reconnecting", e)
                 self._give_back(str(e))
             finally:
+                if self.group is not None:
+                    self._retired.add(self.group)
                 self.group = None
+                self.connected = False
+                self.stalled_since = None
+                self.warmup_progress = 0.0
                 await link.close()
             await asyncio.sleep(self.config.reconnect_interval_s)
 
@@ -103,6 +143,7 @@ class WorkerGroup:
         while True:
             try:
                 described = await link.describe()
+                self.connected = True
                 break
             except WorkerError as e:
                 self.not_ready_reason = str(e)
@@ -121,7 +162,8 @@ class WorkerGroup:
                         "%d to max_model_len %d", batched, max_model_len)
             batched = max_model_len
         self.not_ready_reason = f"worker at {link.address} is warming up"
-        warm = await link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched)
+        warm = await link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched,
+                                 self._warmup_progressed)
         serving = limits(warm, warm.num_blocks_per_lane * warm.block_size)
         await link.open()
         self.description = warm
@@ -131,6 +173,9 @@ class WorkerGroup:
                         "not support async decode, or decode samples on the host); turned off",
                         warm.address, warm.architecture)
         self.group = self._build_group(warm, num_lanes, serving.max_model_len, batched)
+
+    def _warmup_progressed(self, completed: int, total: int) -> None:
+        self.warmup_progress = completed / total if total else 0.0
 
     def _lanes_for(self, d: WorkerDescription) -> int:
         """The topology rules, checked before the worker touches its device."""
@@ -185,7 +230,8 @@ class WorkerGroup:
         group = self.group
         assert group is not None
         ended = asyncio.ensure_future(link.ended())
-        in_flight: deque[tuple[GroupPlan | None, bool]] = deque()  # (plan or flush, pipelined)
+        # (plan or None for a flush, pipelined, time sent)
+        in_flight: deque[tuple[GroupPlan | None, bool, float]] = deque()
         try:
             while True:
                 if not in_flight:
@@ -195,28 +241,56 @@ class WorkerGroup:
                         await self._idle(ended)
                         continue
                     pipelined = self.async_decode and plan.kind is StepKind.DECODE
-                    await link.send(plan, group.max_num_seqs, pipelined)
-                    in_flight.append((plan, pipelined))
-                newest, pipelined = in_flight[-1]
+                    await self._send(link, plan, pipelined, in_flight)
+                newest, pipelined, _ = in_flight[-1]
                 if pipelined and len(in_flight) == 1:
                     follow = group.followup(newest)
                     if follow is None:
-                        self.drains[self._drain_reason(group)] += 1
-                    await link.send(follow, group.max_num_seqs, follow is not None)
-                    in_flight.append((follow, follow is not None))
-                outcome = await link.receive()
-                plan, _ = in_flight.popleft()
+                        self.metrics.drains.labels(str(self.index), self._drain_reason(group)).inc()
+                    await self._send(link, follow, follow is not None, in_flight)
+                outcome = await self._receive(link)
+                plan, _, sent = in_flight.popleft()
                 if plan is not None:
-                    self._count(plan, outcome)
+                    self.num_steps += 1
+                    self.metrics.step(self.index, plan.kind, outcome.traced, outcome.sampled_on_device,
+                                      outcome.total_s, time.monotonic() - sent)
                     self._publish(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs))
         finally:
             ended.cancel()
 
-    def _count(self, plan: GroupPlan, outcome: StepOutcome) -> None:
-        self.num_steps += 1
-        self.steps[plan.kind.value, "traced" if outcome.traced else "eager"] += 1
-        if plan.kind is not StepKind.EMPTY:
-            self.sampling["device" if outcome.sampled_on_device else "host"] += 1
+    async def _send(self, link: WorkerLink, plan: GroupPlan | None, pipelined: bool,
+                    in_flight: deque[tuple[GroupPlan | None, bool, float]]) -> None:
+        now = time.monotonic()
+        if plan is not None:
+            self.metrics.scheduled(plan, now)
+        await link.send(plan, self.group.max_num_seqs, pipelined)
+        in_flight.append((plan, pipelined, now))
+
+    async def _receive(self, link: WorkerLink) -> StepOutcome:
+        """The next result. A worker that holds a step for --stall-timeout is reported stalled
+        (logged, exported) and waited for: a long first compile or a wedged device look alike
+        from here, and only the operator can tell which."""
+        receive = asyncio.ensure_future(link.receive())
+        try:
+            while True:
+                done, _ = await asyncio.wait({receive}, timeout=self.config.stall_timeout_s)
+                if done:
+                    break
+                if self.stalled_since is None:
+                    self.stalled_since = time.monotonic()
+                    self.metrics.stalls.labels(str(self.index)).inc()
+                    lanes = self.group.lanes if self.group is not None else []
+                    log.error("worker %s at %s stalled: no step result for %.0f s with %d request(s) "
+                              "on it (see --stall-timeout)", self.index, self.address,
+                              self.config.stall_timeout_s, sum(len(lane.running) for lane in lanes))
+        finally:
+            receive.cancel()
+        outcome = receive.result()
+        if self.stalled_since is not None:
+            log.warning("worker %s at %s recovered after a %.0f s stall", self.index, self.address,
+                        time.monotonic() - self.stalled_since + self.config.stall_timeout_s)
+            self.stalled_since = None
+        return outcome
 
     @staticmethod
     def _drain_reason(group: LaneGroup) -> str:

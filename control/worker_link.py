@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import grpc
 
@@ -38,7 +39,11 @@ class WorkerLink:
         return description_from_pb(d, self.address)
 
     async def warmup(self, num_lanes: int, max_num_seqs: int, max_model_len: int,
-                     max_num_batched_tokens: int) -> WorkerDescription:
+                     max_num_batched_tokens: int,
+                     progressed: Callable[[int, int], None] = lambda completed, total: None
+                     ) -> WorkerDescription:
+        """Warm the worker up for this configuration; `progressed(completed, total)` follows
+        its progress."""
         request = device_pb2.WarmupRequest(num_lanes=num_lanes, max_num_seqs=max_num_seqs,
                                            max_model_len=max_model_len,
                                            max_num_batched_tokens=max_num_batched_tokens)
@@ -47,6 +52,7 @@ class WorkerLink:
             async for progress in self._stub.Warmup(request, metadata=CALL_METADATA):
                 log.info("worker %s warmup: %s %d/%d %s", self.address, progress.phase,
                          progress.completed, progress.total, progress.detail)
+                progressed(progress.completed, progress.total)
                 if progress.done:
                     log.info("worker %s warm after %.1f s", self.address, time.monotonic() - started)
                     return description_from_pb(progress.description, self.address)

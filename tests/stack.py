@@ -62,6 +62,9 @@ class Stack:
     http_url: str = ""
     control_address: str = ""
     worker_address: str = ""
+    # http://host:port of the control plane's and each worker's metrics/health server.
+    control_metrics_url: str = ""
+    worker_metrics_urls: list[str] = field(default_factory=list)
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name} ---\n{s.output()[-4000:]}" for s in self.services)
@@ -104,6 +107,8 @@ def start_worker(tmp: Path, model: str, port: int | None = None, *extra: str,
                  env: dict | None = None) -> Service:
     """`env`: variables added to the worker's environment."""
     port = port or free_port()
+    if "--metrics-port" not in extra:
+        extra = ("--metrics-port", str(free_port()), *extra)
     return Service("worker", ["ttserve.worker", "--port", str(port), "--model", model, *extra],
                    tmp / f"worker-{port}.log").start(env)
 
@@ -114,14 +119,19 @@ def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
                 env: dict | None = None) -> Stack:
     """Workers, a control plane and (optionally) a gateway, each its own process; `env`: variables
     added to every service's environment."""
-    control_port = free_port()
+    control_port, control_metrics = free_port(), free_port()
     worker_ports = [free_port() for _ in range(workers)]
+    worker_metrics = [free_port() for _ in range(workers)]
     stack = Stack(control_address=f"127.0.0.1:{control_port}",
-                  worker_address=f"127.0.0.1:{worker_ports[0]}")
-    for port in worker_ports:
-        stack.services.append(start_worker(tmp, model, port, *worker_flags, env=env))
+                  worker_address=f"127.0.0.1:{worker_ports[0]}",
+                  control_metrics_url=f"http://127.0.0.1:{control_metrics}",
+                  worker_metrics_urls=[f"http://127.0.0.1:{p}" for p in worker_metrics])
+    for port, metrics in zip(worker_ports, worker_metrics):
+        stack.services.append(start_worker(tmp, model, port, "--metrics-port", str(metrics),
+                                           *worker_flags, env=env))
     worker_args = [arg for port in worker_ports for arg in ("--worker", f"127.0.0.1:{port}")]
-    stack.services.append(Service("control", ["ttserve.control", "--port", str(control_port), *worker_args,
+    stack.services.append(Service("control", ["ttserve.control", "--port", str(control_port),
+                                              "--metrics-port", str(control_metrics), *worker_args,
                                               *control_flags],
                                   tmp / f"control-{control_port}.log").start(env))
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import grpc
@@ -23,8 +24,22 @@ class ListenError(OSError):
     """The address cannot be bound (in use, not local)."""
 
 
+@dataclass(slots=True)
+class GrpcService:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+
+    async def drain(self) -> None:
+        """Health turns NOT_SERVING (load balancers and probes stop sending work); the server
+        keeps serving the calls and streams it has."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace)
+
+
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
-                       service_names: Sequence[str], what: str) -> grpc.aio.Server:
+                       service_names: Sequence[str], what: str) -> GrpcService:
     """A started server with `register`'s servicers plus gRPC health and reflection."""
     server = grpc.aio.server(interceptors=[ProtocolVersionInterceptor()], options=MESSAGE_LIMITS)
     register(server)
@@ -42,7 +57,7 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("%s listening on %s", what, address)
-    return server
+    return GrpcService(server, health_servicer)
 
 
 async def wait_for_stop(*also: asyncio.Future) -> None:

@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV cache budget over all lanes, bytes")
     g.add_argument("--additional-config", default=None,
                    help='device options, e.g. \'{"tt": {"trace_mode": "all"}}\'')
+    g.add_argument("--metrics-port", type=int, default=9402,
+                   help="HTTP port of /metrics, /health and /ready on --host (0: none)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long the control plane may go on stepping before the "
+                        "worker stops")
     g.add_argument("--sim-profile", default="galaxy-llama-3.3-70b",
                    help="step-time profile of --backend sim (see ttserve.worker.sim.PROFILES)")
 
@@ -133,24 +138,47 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.metrics_port <= 65535 or args.shutdown_timeout < 0:
+        log.error("--metrics-port must be a port number (0: none) and --shutdown-timeout 0 or more "
+                  "seconds; got %s and %s", args.metrics_port, args.shutdown_timeout)
+        return 2
     try:
         service = build_service(args)
     except StartupError as e:
         log.error("%s", e)
         return 1
-    return asyncio.run(_serve(service, args.host, args.port))
+    return asyncio.run(_serve(service, args))
 
 
-async def _serve(service, host: str, port: int) -> int:
+async def _serve(service, args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT, then drain: refuse new streams, let the control plane finish
+    its steps (up to --shutdown-timeout), and exit 0."""
     from ttserve.grpc_service import ListenError, wait_for_stop
+    from ttserve.ops_http import OpsEndpoints, start_ops_server
 
     from .server import serve
 
     try:
-        server = await serve(service, host, port)
+        grpc_service = await serve(service, args.host, args.port)
     except ListenError as e:
         log.error("%s", e)
         return 1
+    ops = None
+    if args.metrics_port:
+        try:
+            ops = await start_ops_server(args.host, args.metrics_port, OpsEndpoints(
+                service.metrics.registry,
+                health=lambda: (not service.draining, "the worker is shutting down"),
+                ready=lambda: (service.ready, service.not_ready_reason)), "worker")
+        except OSError as e:
+            log.error("%s", e)
+            await grpc_service.stop(0)
+            return 1
     await wait_for_stop()
-    await server.stop(grace=2.0)
+    log.info("shutting down: refusing new step streams")
+    await grpc_service.drain()
+    await service.drain(args.shutdown_timeout)
+    await grpc_service.stop(grace=1.0)
+    if ops is not None:
+        await ops.close()
     return 0

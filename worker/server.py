@@ -9,10 +9,11 @@ from typing import AsyncIterator
 import grpc
 
 import ttserve
-from ttserve.grpc_service import start_server
+from ttserve.grpc_service import GrpcService, start_server
 from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
+from .metrics import WorkerMetrics
 from .runner import ModelRunner
 from .wire import batch_from_pb, config_from_pb, config_to_pb, result_to_pb
 
@@ -24,9 +25,45 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         self.runner = runner
         self.backend = backend
         self.device = device
+        self.metrics = WorkerMetrics(backend, device, runner.architecture)
         # One step stream at a time: device state and the KV cache belong to one control plane.
         self._stream_lock = asyncio.Lock()
         self._warmup_lock = asyncio.Lock()
+        self.draining = False
+        self._stepping = False            # a step is executing on the device
+        self._last_step = 0.0             # loop time the last step ended
+
+    @property
+    def ready(self) -> bool:
+        return self.runner.config is not None and not self.draining
+
+    @property
+    def not_ready_reason(self) -> str:
+        if self.draining:
+            return "the worker is shutting down"
+        return "" if self.runner.config is not None else "not warmed up (the control plane starts warmup)"
+
+    async def drain(self, timeout_s: float, idle_s: float = 1.0) -> None:
+        """Refuse new streams, then wait (up to `timeout_s`) for the control plane to stop
+        stepping: its stream closed, or no step for `idle_s` (a control plane steps without
+        pause while any request on this worker runs). A step already on the device always
+        finishes before this returns."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            if not self._stream_lock.locked():
+                break
+            if not self._stepping and loop.time() - self._last_step >= idle_s:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            log.warning("draining: the step stream was still busy after %g s (--shutdown-timeout)",
+                        timeout_s)
+        while self._stepping:  # the device step in progress runs to its end
+            await asyncio.sleep(0.01)
+        log.info("drained")
 
     def _describe(self) -> device_pb2.DeviceDescription:
         r = self.runner
@@ -52,12 +89,26 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             d.max_prefill_batch_size = r.config.max_num_seqs
         return d
 
+    def _log_summary(self, warmup_s: float) -> None:
+        r, config, layout = self.runner, self.runner.config, self.runner.layout
+        traced = [kind for kind in ("prefill", "decode") if r.options.traced(kind)]
+        log.info("worker ready after %.1f s of warmup: model %s (%s), backend %s on %s; %d lane(s) x %d "
+                 "seqs, max_model_len %d; %d KV blocks x %d tokens per lane; traced: %s (prefill "
+                 "lengths %s); sampling on device: %s; async decode %s", warmup_s, r.model_path,
+                 r.architecture, self.backend, self.device, config.num_lanes, config.max_num_seqs,
+                 config.max_model_len, layout.num_blocks_per_lane, layout.block_size,
+                 ", ".join(traced) or "none", r.prefill_buckets or "any", r.options.tt.get(
+                     "sample_on_device_mode", "off") if r.capabilities.get("supports_sample_on_device")
+                 else "unsupported", "on" if r.async_decode else "off")
+
     async def Describe(self, request: device_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> device_pb2.DeviceDescription:
         return self._describe()
 
     async def Warmup(self, request: device_pb2.WarmupRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[device_pb2.WarmupProgress]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         config = config_from_pb(request)
         if config.max_num_seqs < 1 or config.max_model_len < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -67,10 +118,13 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
 
         def progress(phase: str, completed: int, total: int, detail: str) -> None:
             log.info("warmup %s %d/%d %s", phase, completed, total, detail)
+            self.metrics.warmup(phase, completed, total)
             loop.call_soon_threadsafe(updates.put_nowait, device_pb2.WarmupProgress(
                 phase=phase, completed=completed, total=total, detail=detail))
 
+        started = time.monotonic()
         async with self._warmup_lock:
+            warm_already = self.runner.config is not None
             task = asyncio.create_task(asyncio.to_thread(self.runner.warmup, config, progress))
             while not task.done() or not updates.empty():
                 getter = asyncio.create_task(updates.get())
@@ -83,23 +137,35 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 task.result()
             except ValueError as e:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        self.metrics.ready.set(1)
+        self.metrics.warmup_progress.set(1)
+        if self.runner.layout is not None and not warm_already:
+            self.metrics.kv_blocks.set(self.runner.layout.num_blocks_per_lane)
+            self._log_summary(time.monotonic() - started)
         yield device_pb2.WarmupProgress(phase="done", completed=1, total=1, done=True,
                                         description=self._describe())
 
     async def Step(self, batches: AsyncIterator[device_pb2.StepBatch],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[device_pb2.StepResult]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         if self._stream_lock.locked():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "this worker already serves a step stream (one control plane per worker)")
+        loop = asyncio.get_running_loop()
         async with self._stream_lock:
             self.runner.reset()
             held = None  # a pipelined decode, finished once the next batch is launched
             async for pb in batches:
                 received = time.perf_counter()
+                batch = batch_from_pb(pb)
+                self._stepping = True
                 try:
-                    launched = await asyncio.to_thread(self.runner.launch, batch_from_pb(pb))
+                    launched = await asyncio.to_thread(self.runner.launch, batch)
                     if held is not None:
-                        yield result_to_pb(await asyncio.to_thread(self.runner.finish, held))
+                        earlier = await asyncio.to_thread(self.runner.finish, held)
+                        self.metrics.step("decode", earlier)
+                        yield result_to_pb(earlier)
                         held = None
                     if launched.deferred:
                         held = launched
@@ -109,11 +175,15 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     log.exception("step %d failed", pb.step_id)
                     yield device_pb2.StepResult(step_id=pb.step_id, error=f"{type(e).__name__}: {e}")
                     return
+                finally:
+                    self._stepping = False
+                    self._last_step = loop.time()
                 result.total_s = time.perf_counter() - received
+                self.metrics.step(batch.kind, result)
                 yield result_to_pb(result)
 
 
-async def serve(service: DeviceService, host: str, port: int) -> grpc.aio.Server:
+async def serve(service: DeviceService, host: str, port: int) -> GrpcService:
     def register(server: grpc.aio.Server) -> None:
         device_pb2_grpc.add_DeviceServicer_to_server(service, server)
 

@@ -1,0 +1,198 @@
+"""The control plane's Prometheus metrics (catalog: docs/metrics.md).
+
+Events (a token, a finished request, a step) are recorded as they happen; state (queues, KV
+usage, worker up/ready/stalled) is read from the engine at scrape time, so a gauge can never
+drift from the truth. Everything runs on the engine's event loop, scrapes included, so no state
+is read while a step mutates it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .request import Request
+from .step import StepKind
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .lanes import GroupPlan
+
+# vLLM's buckets, so dashboards built for vLLM read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ControlMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.request_success = Counter(
+            "ttserve_request_success", "Finished requests by finish reason.", ["finished_reason"],
+            registry=r)
+        self.refused = Counter(
+            "ttserve_requests_refused", "Requests refused at admission, by reason.", ["reason"],
+            registry=r)
+        self.prompt_tokens = Counter(
+            "ttserve_prompt_tokens", "Prompt tokens of requests that produced their first token.",
+            ["worker"], registry=r)
+        self.generation_tokens = Counter(
+            "ttserve_generation_tokens", "Generated tokens.", ["worker"], registry=r)
+        self.ttft = Histogram("ttserve_time_to_first_token_seconds",
+                              "Arrival at the control plane to the first token.", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("ttserve_inter_token_latency_seconds", "Time between successive tokens.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("ttserve_request_time_per_output_token_seconds",
+                              "Decode time divided by (generated tokens - 1), per request.",
+                              buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("ttserve_e2e_request_latency_seconds", "Arrival to finish.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("ttserve_request_queue_time_seconds",
+                                    "Arrival to first sent to a worker.", buckets=LATENCY_BUCKETS,
+                                    registry=r)
+        self.prefill_time = Histogram("ttserve_request_prefill_time_seconds",
+                                      "First sent to a worker to the first token.",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("ttserve_request_decode_time_seconds",
+                                     "First token to last token.", buckets=LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("ttserve_request_prompt_tokens",
+                                               "Prompt tokens per finished request.",
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("ttserve_request_generation_tokens",
+                                                   "Generated tokens per finished request.",
+                                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.step_duration = Histogram(
+            "ttserve_step_duration_seconds", "A step's time on the worker, batch received to result.",
+            ["worker", "kind"], buckets=STEP_BUCKETS, registry=r)
+        self.step_rtt = Histogram(
+            "ttserve_step_rtt_seconds",
+            "A step's gRPC round trip from the control plane, sent to result received.",
+            ["worker", "kind"], buckets=STEP_BUCKETS, registry=r)
+        self.steps = Counter("ttserve_steps", "Steps run, traced (a replayed trace) or eager.",
+                             ["worker", "kind", "execution"], registry=r)
+        self.sampling = Counter("ttserve_sampling_batches",
+                                "Non-empty steps sampled on the device or on the host.",
+                                ["worker", "path"], registry=r)
+        self.drains = Counter("ttserve_async_drains", "Async-decode pipeline drains, by reason.",
+                              ["worker", "reason"], registry=r)
+        self.stalls = Counter("ttserve_worker_stalls", "Times a worker was found stalled.",
+                              ["worker"], registry=r)
+
+    def watch(self, engine: Engine) -> None:
+        """Export the engine's live state (queues, KV, workers) at scrape time."""
+        self.registry.register(_EngineState(engine))
+
+    # ---- events ------------------------------------------------------------------------------
+    def scheduled(self, plan: GroupPlan, now: float) -> None:
+        for lane in plan.lanes:
+            for work in lane.prefill:
+                if work.request.scheduled_time is None:
+                    work.request.scheduled_time = now
+
+    def step(self, worker: int, kind: StepKind, traced: bool, sampled_on_device: bool,
+             worker_s: float, rtt_s: float) -> None:
+        w = str(worker)
+        self.steps.labels(w, kind.value, "traced" if traced else "eager").inc()
+        self.step_duration.labels(w, kind.value).observe(worker_s)
+        self.step_rtt.labels(w, kind.value).observe(rtt_s)
+        if kind is not StepKind.EMPTY:
+            self.sampling.labels(w, "device" if sampled_on_device else "host").inc()
+
+    def progressed(self, request: Request, now: float) -> None:
+        """Count the tokens `request` gained since it was last seen."""
+        new = len(request.output_token_ids) - request.num_metered_tokens
+        if new <= 0:
+            return
+        worker = str(request.worker)
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.ttft.observe(now - request.received_time)
+            if request.scheduled_time is not None:
+                self.queue_time.observe(request.scheduled_time - request.received_time)
+                self.prefill_time.observe(now - request.scheduled_time)
+            self.prompt_tokens.labels(worker).inc(request.num_prompt_tokens)
+            new_after_first = new - 1
+        else:
+            new_after_first = new
+        if new_after_first > 0 and request.last_token_time is not None:
+            # Tokens that arrive together (a pipelined pair) share the interval evenly.
+            gap = (now - request.last_token_time) / new_after_first
+            for _ in range(new_after_first):
+                self.itl.observe(gap)
+        request.last_token_time = now
+        request.num_metered_tokens = len(request.output_token_ids)
+        self.generation_tokens.labels(worker).inc(new)
+
+    def finished(self, request: Request, now: float) -> None:
+        assert request.finish_reason is not None
+        self.request_success.labels(request.finish_reason.value).inc()
+        self.e2e.observe(now - request.received_time)
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        generated = len(request.output_token_ids)
+        self.request_generation_tokens.observe(generated)
+        if request.first_token_time is not None and request.last_token_time is not None:
+            decode_s = request.last_token_time - request.first_token_time
+            self.decode_time.observe(decode_s)
+            if generated > 1:
+                self.tpot.observe(decode_s / (generated - 1))
+
+
+class _EngineState(Collector):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        engine = self.engine
+        running = GaugeMetricFamily("ttserve_num_requests_running",
+                                    "Requests holding a device row.", labels=["worker", "lane"])
+        waiting = GaugeMetricFamily("ttserve_num_requests_waiting",
+                                    "Requests queued, including ones waiting aside for a grammar.",
+                                    labels=["worker", "lane"])
+        kv = GaugeMetricFamily("ttserve_kv_cache_usage_perc",
+                               "Fraction of the lane's KV blocks in use (0-1).", labels=["worker", "lane"])
+        queries = CounterMetricFamily("ttserve_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", labels=["worker"])
+        hits = CounterMetricFamily("ttserve_prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.", labels=["worker"])
+        preemptions = CounterMetricFamily("ttserve_num_preemptions",
+                                          "Requests preempted (to be recomputed).", labels=["worker"])
+        up = GaugeMetricFamily("ttserve_worker_up",
+                               "1 while the control plane holds a connection to the worker.",
+                               labels=["worker"])
+        ready = GaugeMetricFamily("ttserve_worker_ready",
+                                  "1 while the worker is warmed up and its lane group serves.",
+                                  labels=["worker"])
+        stalled = GaugeMetricFamily("ttserve_worker_stalled",
+                                    "1 while work is in flight and no step finished within "
+                                    "--stall-timeout.", labels=["worker"])
+        warmup = GaugeMetricFamily("ttserve_worker_warmup_progress",
+                                   "Warmup progress of the worker, 0-1.", labels=["worker"])
+        for g in engine.groups:
+            w = str(g.index)
+            lanes = g.group.lanes if g.group is not None else []
+            for lane in lanes:
+                labels = [w, str(lane.lane)]
+                running.add_metric(labels, len(lane.running))
+                waiting.add_metric(labels, len(lane.waiting) + len(lane.skipped))
+                kv.add_metric(labels, lane.pool.num_used / lane.pool.num_blocks)
+            totals = g.totals()
+            queries.add_metric([w], totals.prefix_query_tokens)
+            hits.add_metric([w], totals.prefix_hit_tokens)
+            preemptions.add_metric([w], totals.preemptions)
+            up.add_metric([w], float(g.connected))
+            ready.add_metric([w], float(g.ready))
+            stalled.add_metric([w], float(g.stalled))
+            warmup.add_metric([w], g.warmup_progress)
+        draining = GaugeMetricFamily("ttserve_draining",
+                                     "1 once SIGTERM arrived: admits nothing, finishes what it holds.",
+                                     value=float(engine.draining))
+        yield from (running, waiting, kv, queries, hits, preemptions, up, ready, stalled, warmup, draining)

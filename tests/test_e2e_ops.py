@@ -1,0 +1,249 @@
+"""Operations end to end on real processes: metrics every service exports (checked by promtool
+and scraped by a real Prometheus), readiness, a stalled worker, and graceful drain on SIGTERM
+of the control plane and of the worker."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from stack import Service, free_port, start_stack, wait_until
+from ttserve.client import EngineClient, Refused
+from ttserve.v1 import engine_pb2
+
+pytestmark = pytest.mark.e2e
+
+FINISH = engine_pb2.FinishReason
+
+
+def need_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("TTSERVE_REQUIRE_OPS_TOOLS") == "1":
+            pytest.fail(f"{name} is missing: apt-get install prometheus docker-compose systemd")
+        pytest.skip(f"{name} is not installed (Debian package prometheus)")
+    return path
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def sample(metrics_text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in Prometheus text format (labels matched as a subset)."""
+    for line in metrics_text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(3) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(4))
+    return None
+
+
+def metric(url: str, name: str, **labels: str) -> float | None:
+    return sample(get(f"{url}/metrics")[1], name, **labels)
+
+
+def first_tokens(client: EngineClient, request_id: str) -> list[int]:
+    """Wait until `request_id` is admitted and producing; the tokens seen so far."""
+    while True:
+        message = client.next()
+        if message.HasField("admission"):
+            assert message.admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED, message
+            continue
+        for out in message.outputs.outputs:
+            if out.request_id == request_id and out.new_token_ids:
+                return list(out.new_token_ids)
+
+
+# ---- metrics, scraped by a real Prometheus ---------------------------------------------------
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm2):
+    s = start_stack(tmp_path_factory.mktemp("ops"), str(smollm2))
+    yield s
+    s.stop()
+
+
+def test_every_service_exports_metrics_that_promtool_accepts(stack):
+    promtool = need_tool("promtool")
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    client.completions.create(model=model, prompt="The capital of France is", max_tokens=4)
+    for url in (stack.control_metrics_url, *stack.worker_metrics_urls, stack.http_url):
+        status, text = get(f"{url}/metrics")
+        assert status == 200
+        check = subprocess.run([promtool, "check", "metrics"], input=text, text=True, capture_output=True)
+        assert check.returncode == 0, f"{url}/metrics:\n{check.stdout}{check.stderr}"
+    control = get(f"{stack.control_metrics_url}/metrics")[1]
+    assert sample(control, "ttserve_request_success_total", finished_reason="length") >= 1
+    assert sample(control, "ttserve_generation_tokens_total", worker="0") >= 4
+    assert sample(control, "ttserve_time_to_first_token_seconds_count") >= 1
+    assert sample(control, "ttserve_steps_total", worker="0", kind="decode", execution="eager") >= 3
+    assert sample(control, "ttserve_worker_ready", worker="0") == 1
+    assert sample(control, "ttserve_num_requests_running", worker="0", lane="0") == 0
+    worker = get(f"{stack.worker_metrics_urls[0]}/metrics")[1]
+    assert sample(worker, "ttserve_device_ready") == 1
+    assert sample(worker, "ttserve_device_steps_total", kind="prefill", execution="eager") >= 1
+    for url in (stack.control_metrics_url, *stack.worker_metrics_urls):
+        assert get(f"{url}/health") == (200, '{"ok": true}\n')
+        assert get(f"{url}/ready") == (200, '{"ok": true}\n')
+        assert get(f"{url}/nothing")[0] == 404
+
+
+def test_prometheus_scrapes_all_three_services_and_finds_the_request_counter(stack, tmp_path):
+    prometheus = need_tool("prometheus")
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    before = metric(stack.control_metrics_url, "ttserve_request_success_total", finished_reason="length") or 0
+    for _ in range(2):
+        client.completions.create(model=model, prompt="One, two,", max_tokens=3)
+    targets = {"gateway": stack.http_url, "control": stack.control_metrics_url,
+               "worker": stack.worker_metrics_urls[0]}
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [url.split("//")[1]]}]}
+                                 for job, url in targets.items()]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    server = Service("prometheus", [], tmp_path / "prometheus.log")
+    server.log = open(server.log_path, "ab")
+    server.proc = subprocess.Popen(
+        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=server.log, stderr=subprocess.STDOUT)
+    api = f"http://127.0.0.1:{port}/api/v1"
+
+    def query(expr: str) -> list[dict]:
+        status, body = get(f"{api}/query?{urllib.parse.urlencode({'query': expr})}")
+        assert status == 200, body
+        return json.loads(body)["data"]["result"]
+
+    try:
+        wait_until(lambda: {r["metric"]["job"] for r in query("up == 1")} == set(targets), 60,
+                   "Prometheus to scrape all three services")
+        wait_until(lambda: float(query('sum(ttserve_request_success_total{finished_reason="length"})')
+                                 [0]["value"][1]) >= before + 2, 30, "the request counter in Prometheus")
+        assert query("ttserve_gateway_control_plane_connected")[0]["value"][1] == "1"
+        assert query("ttserve_device_ready")[0]["value"][1] == "1"
+        assert query('ttserve_worker_up{worker="0"}')[0]["value"][1] == "1"
+    finally:
+        server.stop()
+
+
+# ---- a stalled worker --------------------------------------------------------------------------
+def test_a_stalled_worker_is_reported_and_recovers(tmp_path, smollm2):
+    stack = start_stack(tmp_path, str(smollm2), gateway=False, control_flags=("--stall-timeout", "1"))
+    worker = stack.services[0]
+    client = EngineClient(stack.control_address)
+    try:
+        client.add("slow", [1, 2, 3, 4], 40, eos_token_ids=())
+        seen = first_tokens(client, "slow")
+        # A slow first step on a busy CI machine may already count as a stall: count from here.
+        stalls = metric(stack.control_metrics_url, "ttserve_worker_stalls_total", worker="0")
+        worker.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: metric(stack.control_metrics_url, "ttserve_worker_stalled", worker="0") == 1,
+                       30, "the stall to be reported")
+            info = client.server_info()
+            assert info.workers[0].stalled and info.workers[0].state.startswith("stalled")
+            assert not info.ready  # its only worker is stalled
+            status, body = get(f"{stack.control_metrics_url}/ready")
+            assert status == 503 and "stalled" in json.loads(body)["reason"]
+            assert metric(stack.control_metrics_url, "ttserve_worker_stalls_total", worker="0") == stalls + 1
+        finally:
+            worker.proc.send_signal(signal.SIGCONT)
+        result = client.collect({"slow"})["slow"]
+        assert result.finish_reason == FINISH.FINISH_REASON_LENGTH and len(seen + result.token_ids) == 40
+        assert metric(stack.control_metrics_url, "ttserve_worker_stalled", worker="0") == 0
+        assert client.server_info().ready
+        assert "stalled: no step result for 1 s" in stack.services[1].output()
+        assert "recovered after" in stack.services[1].output()
+    finally:
+        client.close()
+        stack.stop()
+
+
+# ---- graceful drain ----------------------------------------------------------------------------
+def test_sigterm_lets_the_control_plane_finish_what_it_holds_and_refuse_the_rest(tmp_path, smollm2):
+    stack = start_stack(tmp_path, str(smollm2), gateway=False)
+    control = stack.services[1]
+    client = EngineClient(stack.control_address)
+    try:
+        client.add("held", [1, 2, 3, 4], 48, eos_token_ids=())
+        seen = first_tokens(client, "held")
+        control.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: client.server_info().draining, 10, "the control plane to drain")
+        info = client.server_info()
+        assert not info.ready
+        status, body = get(f"{stack.control_metrics_url}/ready")
+        assert status == 503 and "shutting down" in body
+        client.add("late", [1, 2, 3], 4)
+        with pytest.raises(Refused, match="shutting down"):
+            client.collect({"late"})
+        result = client.collect({"held"})["held"]
+        assert (result.finish_reason, len(seen + result.token_ids)) == (FINISH.FINISH_REASON_LENGTH, 48)
+        assert control.proc.wait(timeout=30) == 0
+        assert "request_finished id=\"held\"" in control.output()
+        assert "Traceback" not in control.output()
+    finally:
+        client.close()
+        stack.stop()
+
+
+def test_past_the_shutdown_timeout_the_rest_is_aborted_with_a_reason(tmp_path, smollm2):
+    stack = start_stack(tmp_path, str(smollm2), gateway=False, control_flags=("--shutdown-timeout", "1"))
+    control = stack.services[1]
+    client = EngineClient(stack.control_address)
+    try:
+        client.add("long", [1, 2, 3, 4], 2000, eos_token_ids=())
+        first_tokens(client, "long")
+        started = time.monotonic()
+        control.proc.send_signal(signal.SIGTERM)
+        result = client.collect({"long"}, timeout=60)["long"]
+        assert result.finish_reason == FINISH.FINISH_REASON_ABORT
+        assert "shut down" in result.error and "--shutdown-timeout 1" in result.error
+        assert 0 < len(result.token_ids) < 2000
+        assert control.proc.wait(timeout=30) == 0
+        assert time.monotonic() - started < 20
+    finally:
+        client.close()
+        stack.stop()
+
+
+def test_sigterm_on_the_worker_lets_the_control_plane_step_then_exits_cleanly(tmp_path, smollm2):
+    stack = start_stack(tmp_path, str(smollm2), gateway=False, worker_flags=("--shutdown-timeout", "3"))
+    worker = stack.services[0]
+    client = EngineClient(stack.control_address)
+    try:
+        client.add("long", [1, 2, 3, 4], 2000, eos_token_ids=())
+        first_tokens(client, "long")
+        worker.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        wait_until(lambda: get(f"{stack.worker_metrics_urls[0]}/health")[0] == 503, 10,
+                   "the worker to report draining")
+        assert get(f"{stack.worker_metrics_urls[0]}/ready")[0] == 503
+        result = client.collect({"long"}, timeout=60)["long"]
+        # It kept stepping through the drain window, then went away: the request says so.
+        assert time.monotonic() - signalled >= 2.5
+        assert result.finish_reason == FINISH.FINISH_REASON_ERROR and "worker" in result.error
+        assert worker.proc.wait(timeout=30) == 0
+    finally:
+        client.close()
+        stack.stop()
