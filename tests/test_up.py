@@ -27,3 +27,13 @@ def test_a_flag_no_service_declares_is_refused(capsys):
     with pytest.raises(SystemExit):
         split_flags(["--no-such-flag", "1"])
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_each_service_gets_its_own_metrics_port_and_every_service_the_shutdown_timeout(capsys):
+    _, shares = split_flags(["--worker-metrics-port", "9500", "--shutdown-timeout", "5"])
+    assert shares["worker"][-2:] == ["--metrics-port", "9500"]
+    assert shares["control"][-2:] == ["--metrics-port", "9401"]
+    assert all(share[share.index("--shutdown-timeout") + 1] == "5" for share in shares.values())
+    with pytest.raises(SystemExit):
+        split_flags(["--metrics-port", "9500"])
+    assert "--control-metrics-port" in capsys.readouterr().err

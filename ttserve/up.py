@@ -47,9 +47,15 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
     own.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway")
     own.add_argument("--control-port", type=int, default=50051)
     own.add_argument("--worker-port", type=int, default=50061)
+    own.add_argument("--control-metrics-port", type=int, default=9401,
+                     help="HTTP port of the control plane's /metrics, /health, /ready (0: none)")
+    own.add_argument("--worker-metrics-port", type=int, default=9402,
+                     help="HTTP port of the worker's /metrics, /health, /ready (0: none)")
     own.add_argument("--ready-timeout", type=float, default=900.0,
                      help="seconds to wait for the stack to serve")
     args, rest = own.parse_known_args(argv)
+    if any(t == "--metrics-port" or t.startswith("--metrics-port=") for t in rest):
+        own.error("--metrics-port is ambiguous here: use --control-metrics-port and --worker-metrics-port")
     rest, dotted = _take_dotted(rest)
     masks = {name: _consumed(_service_parser(name), rest) for name in SERVICES}
     orphans = [t for i, t in enumerate(rest) if t.startswith("-") and not any(m[i] for m in masks.values())]
@@ -61,8 +67,10 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
     # reads the folder the control plane reports, so a name like `smollm2` never reaches it.
     shares["gateway"] = _without_flag(shares["gateway"], "--model")
     host = _host(shares["gateway"])
-    shares["worker"] += dotted + ["--port", str(args.worker_port)]
-    shares["control"] += ["--port", str(args.control_port), "--worker", f"{host}:{args.worker_port}"]
+    shares["worker"] += dotted + ["--port", str(args.worker_port),
+                                  "--metrics-port", str(args.worker_metrics_port)]
+    shares["control"] += ["--port", str(args.control_port), "--worker", f"{host}:{args.worker_port}",
+                          "--metrics-port", str(args.control_metrics_port)]
     shares["gateway"] += ["--port", str(args.port), "--control", f"{host}:{args.control_port}"]
     return args, shares
 
@@ -134,7 +142,8 @@ def up(argv: list[str]) -> int:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 try:
-                    proc.wait(timeout=30)
+                    # Each service drains first (up to its --shutdown-timeout, 30 s by default).
+                    proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     proc.kill()
 

@@ -1,0 +1,118 @@
+"""The operations endpoint's HTTP behaviour and the control plane's metric arithmetic."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from stack import free_port
+from ttserve.control.blocks import BlockPool
+from ttserve.control.lanes import LaneGroup
+from ttserve.control.metrics import ControlMetrics
+from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams
+from ttserve.control.scheduler import Scheduler, SchedulerConfig
+from ttserve.control.worker_group import EngineConfig, LaneTotals, WorkerGroup
+from ttserve.ops_http import OpsEndpoints, start_ops_server
+
+
+async def _exchange(port: int, raw: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+def test_ops_server_answers_metrics_probes_and_refuses_the_rest():
+    registry = CollectorRegistry()
+    Counter("ttserve_example", "An example.", registry=registry).inc(3)
+    state = {"ready": (False, "warming up")}
+
+    async def scenario() -> dict[str, bytes]:
+        port = free_port()
+        server = await start_ops_server("127.0.0.1", port, OpsEndpoints(
+            registry, health=lambda: (True, ""), ready=lambda: state["ready"]), "test")
+        try:
+            out = {}
+            for name, raw in {"metrics": b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+                              "health": b"GET /health HTTP/1.1\r\n\r\n",
+                              "ready": b"GET /ready?verbose=1 HTTP/1.1\r\n\r\n",
+                              "head": b"HEAD /health HTTP/1.1\r\n\r\n",
+                              "post": b"POST /metrics HTTP/1.1\r\n\r\n",
+                              "missing": b"GET /v1/models HTTP/1.1\r\n\r\n",
+                              "garbage": b"NONSENSE\r\n\r\n"}.items():
+                out[name] = await _exchange(port, raw)
+            state["ready"] = (True, "")
+            out["ready_later"] = await _exchange(port, b"GET /ready HTTP/1.0\r\n\r\n")
+            return out
+        finally:
+            await server.close()
+
+    out = asyncio.run(scenario())
+    assert out["metrics"].startswith(b"HTTP/1.1 200 OK") and b"ttserve_example_total 3.0" in out["metrics"]
+    assert out["health"].startswith(b"HTTP/1.1 200") and out["health"].endswith(b'{"ok": true}\n')
+    assert out["ready"].startswith(b"HTTP/1.1 503") and b'"reason": "warming up"' in out["ready"]
+    assert out["head"].startswith(b"HTTP/1.1 200") and out["head"].endswith(b"\r\n\r\n")
+    assert out["post"].startswith(b"HTTP/1.1 405")
+    assert out["missing"].startswith(b"HTTP/1.1 404") and b"/metrics" in out["missing"]
+    assert out["garbage"].startswith(b"HTTP/1.1 400")
+    assert out["ready_later"].startswith(b"HTTP/1.1 200")
+
+
+def test_a_busy_port_fails_with_the_address():
+    async def scenario() -> None:
+        port = free_port()
+        endpoints = OpsEndpoints(CollectorRegistry(), lambda: (True, ""), lambda: (True, ""))
+        first = await start_ops_server("127.0.0.1", port, endpoints, "test")
+        try:
+            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+                await start_ops_server("127.0.0.1", port, endpoints, "test")
+        finally:
+            await first.close()
+
+    asyncio.run(scenario())
+
+
+def value(metrics: ControlMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_request_timings_follow_the_tokens_as_they_arrive():
+    m = ControlMetrics()
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), received_time=10.0)
+    r.scheduled_time = 10.5
+    r.output_token_ids = [7]
+    m.progressed(r, 11.0)
+    r.output_token_ids += [8, 9]   # a pipelined pair arrives together
+    m.progressed(r, 12.0)
+    m.progressed(r, 12.5)          # nothing new: nothing counted
+    r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+    m.finished(r, 12.0)
+    assert value(m, "ttserve_time_to_first_token_seconds_sum") == 1.0
+    assert value(m, "ttserve_request_queue_time_seconds_sum") == 0.5
+    assert value(m, "ttserve_request_prefill_time_seconds_sum") == 0.5
+    assert value(m, "ttserve_inter_token_latency_seconds_count") == 2
+    assert value(m, "ttserve_inter_token_latency_seconds_sum") == 1.0
+    assert value(m, "ttserve_request_time_per_output_token_seconds_sum") == 0.5
+    assert value(m, "ttserve_request_decode_time_seconds_sum") == 1.0
+    assert value(m, "ttserve_e2e_request_latency_seconds_sum") == 2.0
+    assert value(m, "ttserve_prompt_tokens_total", worker="0") == 3
+    assert value(m, "ttserve_generation_tokens_total", worker="0") == 3
+    assert value(m, "ttserve_request_success_total", finished_reason="length") == 1
+
+
+def test_lane_counters_survive_the_lane_group_being_rebuilt():
+    def lane_group(queries: int, hits: int, preemptions: int) -> LaneGroup:
+        scheduler = Scheduler(SchedulerConfig(2, 16, 64), BlockPool(16, 4, enable_caching=True))
+        scheduler.pool.record_query(queries, hits)
+        scheduler.num_preemptions = preemptions
+        return LaneGroup([scheduler])
+
+    g = WorkerGroup(0, "w:0", EngineConfig(workers=("w:0",)), lambda *a: None, lambda *a: None)
+    g.group = lane_group(5, 2, 1)
+    assert g.totals() == LaneTotals(20, 8, 1)          # tokens = blocks x block size
+    g._retired.add(g.group)                            # what a reconnect does
+    g.group = lane_group(1, 1, 0)
+    assert g.totals() == LaneTotals(24, 12, 1)
