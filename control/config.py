@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then drain: refuse new requests, finish (or after
     --shutdown-timeout abort) the ones held, and exit 0."""
-    from ttserve.grpc_service import ListenError, wait_for_stop
-    from ttserve.ops_http import OpsEndpoints, start_ops_server
+    from ttserve.grpc_service import ListenError, run_service
+    from ttserve.ops_http import OpsEndpoints
 
     from .server import serve
 
@@ -107,28 +107,21 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
     except ListenError as e:
         log.error("%s", e)
         return 1
-    ops = None
-    if args.metrics_port:
-        try:
-            ops = await start_ops_server(args.host, args.metrics_port, OpsEndpoints(
-                engine.metrics.registry,
-                health=lambda: (not engine.draining, "the control plane is shutting down"),
-                ready=lambda: (engine.ready, engine.not_ready_reason)), "control plane")
-        except OSError as e:
-            log.error("%s", e)
-            await service.stop(0)
-            return 1
-    runner = asyncio.create_task(engine.run())
-    await wait_for_stop(engine.fatal)
-    if not engine.fatal.done():
-        log.info("shutting down: admitting no new requests")
-        await service.drain()
+
+    async def drain() -> None:
         await engine.drain(args.shutdown_timeout)
         engine.close_sessions()
-    runner.cancel()
-    await service.stop(grace=1.0)
-    if ops is not None:
-        await ops.close()
+
+    endpoints = OpsEndpoints(engine.metrics.registry,
+                             health=lambda: (not engine.draining, "the control plane is shutting down"),
+                             ready=lambda: (engine.ready, engine.not_ready_reason))
+    runner = asyncio.create_task(engine.run())
+    try:
+        if not await run_service(service, (args.host, args.metrics_port), endpoints, "control plane",
+                                 drain, engine.fatal):
+            return 1
+    finally:
+        runner.cancel()
     if engine.fatal.done():
         log.error("%s", engine.fatal.result())
         return 1

@@ -78,6 +78,7 @@ class WorkerGroup:
         self._publish = publish
         self._fail = fail
         self.metrics = metrics or ControlMetrics()
+        self.metrics.stalls.labels(str(index))  # exported as 0 from the start, for alert rules
         self.group: LaneGroup | None = None
         self.description: WorkerDescription | None = None
         self.not_ready_reason = f"connecting to the worker at {address}"

@@ -3,6 +3,7 @@ and scraped by a real Prometheus), readiness, a stalled worker, and graceful dra
 of the control plane and of the worker."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -69,6 +70,18 @@ def first_tokens(client: EngineClient, request_id: str) -> list[int]:
         for out in message.outputs.outputs:
             if out.request_id == request_id and out.new_token_ids:
                 return list(out.new_token_ids)
+
+
+@contextlib.contextmanager
+def engine_stack(tmp_path: Path, model: Path, **flags):
+    """Worker and control plane (no gateway), and a client of the control plane."""
+    stack = start_stack(tmp_path, str(model), gateway=False, **flags)
+    client = EngineClient(stack.control_address)
+    try:
+        yield stack, client
+    finally:
+        client.close()
+        stack.stop()
 
 
 # ---- metrics, scraped by a real Prometheus ---------------------------------------------------
@@ -149,10 +162,8 @@ def test_prometheus_scrapes_all_three_services_and_finds_the_request_counter(sta
 
 # ---- a stalled worker --------------------------------------------------------------------------
 def test_a_stalled_worker_is_reported_and_recovers(tmp_path, smollm2):
-    stack = start_stack(tmp_path, str(smollm2), gateway=False, control_flags=("--stall-timeout", "1"))
-    worker = stack.services[0]
-    client = EngineClient(stack.control_address)
-    try:
+    with engine_stack(tmp_path, smollm2, control_flags=("--stall-timeout", "1")) as (stack, client):
+        worker = stack.services[0]
         client.add("slow", [1, 2, 3, 4], 40, eos_token_ids=())
         seen = first_tokens(client, "slow")
         # A slow first step on a busy CI machine may already count as a stall: count from here.
@@ -175,17 +186,12 @@ def test_a_stalled_worker_is_reported_and_recovers(tmp_path, smollm2):
         assert client.server_info().ready
         assert "stalled: no step result for 1 s" in stack.services[1].output()
         assert "recovered after" in stack.services[1].output()
-    finally:
-        client.close()
-        stack.stop()
 
 
 # ---- graceful drain ----------------------------------------------------------------------------
 def test_sigterm_lets_the_control_plane_finish_what_it_holds_and_refuse_the_rest(tmp_path, smollm2):
-    stack = start_stack(tmp_path, str(smollm2), gateway=False)
-    control = stack.services[1]
-    client = EngineClient(stack.control_address)
-    try:
+    with engine_stack(tmp_path, smollm2) as (stack, client):
+        control = stack.services[1]
         client.add("held", [1, 2, 3, 4], 48, eos_token_ids=())
         seen = first_tokens(client, "held")
         control.proc.send_signal(signal.SIGTERM)
@@ -202,16 +208,11 @@ def test_sigterm_lets_the_control_plane_finish_what_it_holds_and_refuse_the_rest
         assert control.proc.wait(timeout=30) == 0
         assert "request_finished id=\"held\"" in control.output()
         assert "Traceback" not in control.output()
-    finally:
-        client.close()
-        stack.stop()
 
 
 def test_past_the_shutdown_timeout_the_rest_is_aborted_with_a_reason(tmp_path, smollm2):
-    stack = start_stack(tmp_path, str(smollm2), gateway=False, control_flags=("--shutdown-timeout", "1"))
-    control = stack.services[1]
-    client = EngineClient(stack.control_address)
-    try:
+    with engine_stack(tmp_path, smollm2, control_flags=("--shutdown-timeout", "1")) as (stack, client):
+        control = stack.services[1]
         client.add("long", [1, 2, 3, 4], 2000, eos_token_ids=())
         first_tokens(client, "long")
         started = time.monotonic()
@@ -222,16 +223,11 @@ def test_past_the_shutdown_timeout_the_rest_is_aborted_with_a_reason(tmp_path, s
         assert 0 < len(result.token_ids) < 2000
         assert control.proc.wait(timeout=30) == 0
         assert time.monotonic() - started < 20
-    finally:
-        client.close()
-        stack.stop()
 
 
 def test_sigterm_on_the_worker_lets_the_control_plane_step_then_exits_cleanly(tmp_path, smollm2):
-    stack = start_stack(tmp_path, str(smollm2), gateway=False, worker_flags=("--shutdown-timeout", "3"))
-    worker = stack.services[0]
-    client = EngineClient(stack.control_address)
-    try:
+    with engine_stack(tmp_path, smollm2, worker_flags=("--shutdown-timeout", "3")) as (stack, client):
+        worker = stack.services[0]
         client.add("long", [1, 2, 3, 4], 2000, eos_token_ids=())
         first_tokens(client, "long")
         worker.proc.send_signal(signal.SIGTERM)
@@ -244,6 +240,3 @@ def test_sigterm_on_the_worker_lets_the_control_plane_step_then_exits_cleanly(tm
         assert time.monotonic() - signalled >= 2.5
         assert result.finish_reason == FINISH.FINISH_REASON_ERROR and "worker" in result.error
         assert worker.proc.wait(timeout=30) == 0
-    finally:
-        client.close()
-        stack.stop()

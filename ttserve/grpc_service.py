@@ -6,12 +6,13 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .ops_http import OpsEndpoints, start_ops_server
 from .protocol import ProtocolVersionInterceptor
 
 log = logging.getLogger(__name__)
@@ -69,3 +70,29 @@ async def wait_for_stop(*also: asyncio.Future) -> None:
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({stopped, *also}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
+
+
+async def run_service(service: GrpcService, metrics_at: tuple[str, int], endpoints: OpsEndpoints,
+                      what: str, drain: Callable[[], Awaitable[None]], *stop_early: asyncio.Future) -> bool:
+    """Serve, with the operations endpoint on `metrics_at` (port 0: none), until SIGTERM or
+    SIGINT — then drain: gRPC health turns NOT_SERVING and `drain()` runs — or until any of
+    `stop_early` is done (no drain). Both servers are stopped on return. False when the
+    operations endpoint cannot listen (logged)."""
+    host, port = metrics_at
+    try:
+        ops = await start_ops_server(host, port, endpoints, what) if port else None
+    except OSError as e:
+        log.error("%s", e)
+        await service.stop(0)
+        return False
+    try:
+        await wait_for_stop(*stop_early)
+        if not any(f.done() for f in stop_early):
+            log.info("%s shutting down: admitting nothing new", what)
+            await service.drain()
+            await drain()
+    finally:
+        await service.stop(grace=1.0)
+        if ops is not None:
+            await ops.close()
+    return True

@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(service, args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then drain: refuse new streams, let the control plane finish
     its steps (up to --shutdown-timeout), and exit 0."""
-    from ttserve.grpc_service import ListenError, wait_for_stop
-    from ttserve.ops_http import OpsEndpoints, start_ops_server
+    from ttserve.grpc_service import ListenError, run_service
+    from ttserve.ops_http import OpsEndpoints
 
     from .server import serve
 
@@ -163,22 +163,9 @@ async def _serve(service, args: argparse.Namespace) -> int:
     except ListenError as e:
         log.error("%s", e)
         return 1
-    ops = None
-    if args.metrics_port:
-        try:
-            ops = await start_ops_server(args.host, args.metrics_port, OpsEndpoints(
-                service.metrics.registry,
-                health=lambda: (not service.draining, "the worker is shutting down"),
-                ready=lambda: (service.ready, service.not_ready_reason)), "worker")
-        except OSError as e:
-            log.error("%s", e)
-            await grpc_service.stop(0)
-            return 1
-    await wait_for_stop()
-    log.info("shutting down: refusing new step streams")
-    await grpc_service.drain()
-    await service.drain(args.shutdown_timeout)
-    await grpc_service.stop(grace=1.0)
-    if ops is not None:
-        await ops.close()
-    return 0
+    endpoints = OpsEndpoints(service.metrics.registry,
+                             health=lambda: (not service.draining, "the worker is shutting down"),
+                             ready=lambda: (service.ready, service.not_ready_reason))
+    ok = await run_service(grpc_service, (args.host, args.metrics_port), endpoints, "worker",
+                           lambda: service.drain(args.shutdown_timeout))
+    return 0 if ok else 1
