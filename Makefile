@@ -50,6 +50,7 @@ bench: setup
 	$(PY) benchmarks/scheduler_cost.py
 	$(PY) benchmarks/phase_policy.py
 	$(PY) benchmarks/lanes.py
+	$(PY) benchmarks/metrics_cost.py
 	$(PY) benchmarks/sim_decode.py
 
 clean:

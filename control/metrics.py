@@ -7,10 +7,12 @@ is read while a step mutates it.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter as Tally
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from .request import Request
@@ -32,25 +34,47 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1
                 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+class TokenHistogram:
+    """A histogram cheap enough to observe once per generated token: no lock (everything runs on
+    the engine's event loop) and no label lookup. prometheus_client's Histogram costs about 2 µs
+    an observation, which at 256 running requests would double the control plane's cost per
+    step (benchmarks/scheduler_cost.py)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation, self.buckets = name, documentation, buckets
+        self.counts = [0] * (len(buckets) + 1)   # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, running = [], 0
+        for bound, count in zip((*map(str, self.buckets), "+Inf"), self.counts):
+            running += count
+            cumulative.append((bound, running))
+        return HistogramMetricFamily(self.name, self.documentation, buckets=cumulative,
+                                     sum_value=self.sum)
+
+
 class ControlMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        # Per-token events: plain tallies and TokenHistograms, exported by _EngineState.
+        self.prompt_tokens: Tally[int] = Tally()        # by worker index
+        self.generation_tokens: Tally[int] = Tally()    # by worker index
+        self.itl = TokenHistogram("ttserve_inter_token_latency_seconds",
+                                  "Time between successive tokens.", ITL_BUCKETS)
         self.request_success = Counter(
             "ttserve_request_success", "Finished requests by finish reason.", ["finished_reason"],
             registry=r)
         self.refused = Counter(
             "ttserve_requests_refused", "Requests refused at admission, by reason.", ["reason"],
             registry=r)
-        self.prompt_tokens = Counter(
-            "ttserve_prompt_tokens", "Prompt tokens of requests that produced their first token.",
-            ["worker"], registry=r)
-        self.generation_tokens = Counter(
-            "ttserve_generation_tokens", "Generated tokens.", ["worker"], registry=r)
         self.ttft = Histogram("ttserve_time_to_first_token_seconds",
                               "Arrival at the control plane to the first token.", buckets=TTFT_BUCKETS,
                               registry=r)
-        self.itl = Histogram("ttserve_inter_token_latency_seconds", "Time between successive tokens.",
-                             buckets=ITL_BUCKETS, registry=r)
         self.tpot = Histogram("ttserve_request_time_per_output_token_seconds",
                               "Decode time divided by (generated tokens - 1), per request.",
                               buckets=ITL_BUCKETS, registry=r)
@@ -109,28 +133,26 @@ class ControlMetrics:
 
     def progressed(self, request: Request, now: float) -> None:
         """Count the tokens `request` gained since it was last seen."""
-        new = len(request.output_token_ids) - request.num_metered_tokens
+        num_tokens = len(request.output_token_ids)
+        new = num_tokens - request.num_metered_tokens
         if new <= 0:
             return
-        worker = str(request.worker)
         if request.first_token_time is None:
             request.first_token_time = now
             self.ttft.observe(now - request.received_time)
             if request.scheduled_time is not None:
                 self.queue_time.observe(request.scheduled_time - request.received_time)
                 self.prefill_time.observe(now - request.scheduled_time)
-            self.prompt_tokens.labels(worker).inc(request.num_prompt_tokens)
+            self.prompt_tokens[request.worker] += request.num_prompt_tokens
             new_after_first = new - 1
         else:
             new_after_first = new
         if new_after_first > 0 and request.last_token_time is not None:
             # Tokens that arrive together (a pipelined pair) share the interval evenly.
-            gap = (now - request.last_token_time) / new_after_first
-            for _ in range(new_after_first):
-                self.itl.observe(gap)
+            self.itl.observe((now - request.last_token_time) / new_after_first, new_after_first)
         request.last_token_time = now
-        request.num_metered_tokens = len(request.output_token_ids)
-        self.generation_tokens.labels(worker).inc(new)
+        request.num_metered_tokens = num_tokens
+        self.generation_tokens[request.worker] += new
 
     def finished(self, request: Request, now: float) -> None:
         assert request.finish_reason is not None
@@ -150,8 +172,18 @@ class _EngineState(Collector):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         engine = self.engine
+        metrics = engine.metrics
+        prompt = CounterMetricFamily("ttserve_prompt_tokens",
+                                     "Prompt tokens of requests that produced their first token.",
+                                     labels=["worker"])
+        generation = CounterMetricFamily("ttserve_generation_tokens", "Generated tokens.",
+                                         labels=["worker"])
+        for g in engine.groups:
+            prompt.add_metric([str(g.index)], metrics.prompt_tokens[g.index])
+            generation.add_metric([str(g.index)], metrics.generation_tokens[g.index])
+        yield from (prompt, generation, metrics.itl.family())
         running = GaugeMetricFamily("ttserve_num_requests_running",
                                     "Requests holding a device row.", labels=["worker", "lane"])
         waiting = GaugeMetricFamily("ttserve_num_requests_waiting",

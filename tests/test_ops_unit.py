@@ -93,13 +93,11 @@ def test_request_timings_follow_the_tokens_as_they_arrive():
     assert value(m, "ttserve_time_to_first_token_seconds_sum") == 1.0
     assert value(m, "ttserve_request_queue_time_seconds_sum") == 0.5
     assert value(m, "ttserve_request_prefill_time_seconds_sum") == 0.5
-    assert value(m, "ttserve_inter_token_latency_seconds_count") == 2
-    assert value(m, "ttserve_inter_token_latency_seconds_sum") == 1.0
+    assert (sum(m.itl.counts), m.itl.sum) == (2, 1.0)   # exported with the engine's state
     assert value(m, "ttserve_request_time_per_output_token_seconds_sum") == 0.5
     assert value(m, "ttserve_request_decode_time_seconds_sum") == 1.0
     assert value(m, "ttserve_e2e_request_latency_seconds_sum") == 2.0
-    assert value(m, "ttserve_prompt_tokens_total", worker="0") == 3
-    assert value(m, "ttserve_generation_tokens_total", worker="0") == 3
+    assert (m.prompt_tokens[0], m.generation_tokens[0]) == (3, 3)
     assert value(m, "ttserve_request_success_total", finished_reason="length") == 1
 
 
@@ -116,3 +114,24 @@ def test_lane_counters_survive_the_lane_group_being_rebuilt():
     g._retired.add(g.group)                            # what a reconnect does
     g.group = lane_group(1, 1, 0)
     assert g.totals() == LaneTotals(24, 12, 1)
+
+
+def test_token_histogram_exports_cumulative_buckets_like_prometheus_client():
+    from prometheus_client import Histogram
+
+    from ttserve.control.metrics import TokenHistogram
+
+    buckets = (0.1, 0.5, 1.0)
+    ours = TokenHistogram("ours_seconds", "Ours.", buckets)
+    registry = CollectorRegistry()
+    theirs = Histogram("theirs_seconds", "Theirs.", buckets=buckets, registry=registry)
+    for value, times in ((0.05, 1), (0.1, 2), (0.7, 1), (3.0, 1)):   # 0.1 sits on a bound: le is <=
+        ours.observe(value, times)
+        for _ in range(times):
+            theirs.observe(value)
+    exported = {(s.name, s.labels.get("le")): s.value for s in ours.family().samples}
+    for le in ("0.1", "0.5", "1.0", "+Inf"):
+        assert exported["ours_seconds_bucket", le] == registry.get_sample_value(
+            "theirs_seconds_bucket", {"le": le})
+    assert exported["ours_seconds_count", None] == 5
+    assert exported["ours_seconds_sum", None] == pytest.approx(registry.get_sample_value("theirs_seconds_sum"))

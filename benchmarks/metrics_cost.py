@@ -1,0 +1,91 @@
+"""What the control plane's request metrics cost per decode step, against the rest of what a step's
+results cost it: building each request's RequestOutput for its client (`output_to_pb`).
+
+Every step, each running request gains one token, and the engine both publishes it and counts it
+(TTFT, inter-token latency, token counters). Measured in one run, per step of N running requests:
+  - baseline: output_to_pb for every request (work the control plane does anyway);
+  - ttserve:  ControlMetrics.progressed for every request (TokenHistogram and plain tallies);
+  - naive:    the same observations through prometheus_client's Histogram and labelled Counter.
+Reports microseconds per step and the ratios ttserve / baseline and naive / baseline.
+
+    python benchmarks/metrics_cost.py [--running 256] [--steps 300] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from ttserve.control.metrics import ITL_BUCKETS, ControlMetrics
+from ttserve.control.request import Request, SamplingParams
+from ttserve.control.wire import output_to_pb
+
+
+def requests(n: int) -> list[Request]:
+    out = [Request(str(i), [5] * 128, SamplingParams(max_tokens=1 << 30), received_time=0.0)
+           for i in range(n)]
+    for r in out:
+        r.output_token_ids.append(7)
+    return out
+
+
+def per_step(running: int, steps: int, work: Callable[[Request, float], None]) -> float:
+    """Median microseconds of one step's work over `running` requests."""
+    batch = requests(running)
+    for r in batch:
+        work(r, 0.05)  # first token: the rare path, out of the measurement
+    times = []
+    for step in range(steps):
+        for r in batch:
+            r.output_token_ids.append(7)
+        now = 0.1 + step * 0.02
+        start = time.perf_counter()
+        for r in batch:
+            work(r, now)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def publish(request: Request, now: float) -> None:
+    request.num_sent_tokens = len(request.output_token_ids) - 1
+    output_to_pb(request)
+
+
+def naive_metrics() -> Callable[[Request, float], None]:
+    registry = CollectorRegistry()
+    itl = Histogram("naive_itl_seconds", "ITL.", buckets=ITL_BUCKETS, registry=registry)
+    tokens = Counter("naive_generation_tokens", "Tokens.", ["worker"], registry=registry)
+    last: dict[str, float] = {}
+
+    def work(request: Request, now: float) -> None:
+        if request.request_id in last:
+            itl.observe(now - last[request.request_id])
+        last[request.request_id] = now
+        tokens.labels(str(request.worker)).inc()
+
+    return work
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    rounds = {"baseline": [], "ttserve": [], "naive": []}
+    for _ in range(args.rounds):
+        rounds["baseline"].append(per_step(args.running, args.steps, publish))
+        rounds["ttserve"].append(per_step(args.running, args.steps, ControlMetrics().progressed))
+        rounds["naive"].append(per_step(args.running, args.steps, naive_metrics()))
+    us = {k: statistics.median(v) for k, v in rounds.items()}
+    print(json.dumps({"running": args.running, "us_per_step": {k: round(v, 1) for k, v in us.items()},
+                      "ttserve_over_baseline": round(us["ttserve"] / us["baseline"], 3),
+                      "naive_over_baseline": round(us["naive"] / us["baseline"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
