@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "outputs; default: the folder of the model the first worker serves")
     g.add_argument("--metrics-port", type=int, default=9401,
                    help="HTTP port of /metrics, /health and /ready on --host (0: none)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="a worker holding a step this long without a result is reported stalled")

@@ -12,6 +12,17 @@ import sys
 DEFAULT_CONTROL = "127.0.0.1:50051"
 
 
+def _seconds(text: str) -> int:
+    """A whole, non-negative number of seconds (vLLM's --shutdown-timeout is an int)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole seconds, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
@@ -32,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="how long to try reaching the control plane at start-up "
                              "(default %(default).0f)")
+    parser.add_argument("--shutdown-timeout", type=_seconds, default=30, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT, how long in-flight requests may take to finish "
+                             "before they are aborted; new requests get 503 meanwhile, and a "
+                             "second signal aborts at once; 0 aborts at once (default %(default)d)")
     parser.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
                         default=True, help="report usage.prompt_tokens_details.cached_tokens "
                                            "(default on)")

@@ -7,12 +7,15 @@ else of vLLM's frontend (renderer, InputProcessor, OutputProcessor, stat loggers
 
 Invariants:
 - Every request handed to `add_request_async` gets exactly one verdict: it returns once the
-  control plane accepted it, or raises (400 RequestRefused / 503 ControlPlaneUnavailable) after
-  removing it from vLLM's OutputProcessor. vLLM itself only cleans up after n>1 fan-out failures.
+  control plane accepted it, or raises (400 RequestRefused / 503 ControlPlaneUnavailable or
+  GatewayShuttingDown) after removing it from vLLM's OutputProcessor. vLLM itself only cleans up
+  after n>1 fan-out failures.
 - `get_output_async` never raises: a raise kills AsyncLLM for good. A lost control plane instead
   ends every in-flight request with finish reason ERROR and the client reconnects with backoff;
   `resources.engine_dead` stays False.
 - Outputs are timestamped with the gateway's monotonic clock on receipt.
+- Once the gateway drains (`drain.draining`), nothing more is admitted: check_admission and
+  add_request_async refuse with GatewayShuttingDown (503). See drain.py for the shutdown sequence.
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import grpc
-from prometheus_client import Counter, Gauge
 
 from ttserve.gateway import vllm_compat
 
@@ -37,20 +39,14 @@ from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.core_client import EngineCoreClient  # noqa: E402
 
 from ttserve.gateway import convert  # noqa: E402
-from ttserve.gateway.errors import ControlPlaneUnavailable, RequestRefused, record_refusal  # noqa: E402
+from ttserve.gateway.drain import Drain  # noqa: E402
+from ttserve.gateway.errors import (ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
+                                    RequestRefused, record_refusal, refusal_status)
+from ttserve.gateway.metrics import CONNECTED, REFUSED, SESSIONS_LOST  # noqa: E402
 from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version  # noqa: E402
 from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("ttserve.gateway.engine_client")
-
-# Served on vLLM's /metrics (prometheus_client's default registry) beside vllm:* metrics.
-CONNECTED = Gauge("ttserve_gateway_control_plane_connected",
-                  "1 while the gateway holds a session with the control plane")
-SESSIONS_LOST = Counter("ttserve_gateway_control_plane_sessions_lost",
-                        "Sessions with the control plane that broke (in-flight requests failed)")
-REFUSED = Counter("ttserve_gateway_refused_requests",
-                  "Requests refused before generation: invalid (400) or unavailable (503)",
-                  ["status"])
 
 Verdict = engine_pb2.Admission
 
@@ -104,6 +100,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
         # Set by GatewayLLM: drops a request from vLLM's OutputProcessor (refused or cancelled
         # before admission; vLLM does not clean those up for n=1).
         self.on_request_dropped: Callable[[str], None] = lambda request_id: None
+        # The gateway's drain state; GatewayLLM shares its own here.
+        self.drain = Drain()
         self._backoff_s = backoff_s
         self._loop = asyncio.get_running_loop()
         self._outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()
@@ -118,6 +116,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
 
     # ---- connection ----------------------------------------------------------------------
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this client (and the gateway's requests) run on."""
+        return self._loop
+
+    @property
     def connected(self) -> bool:
         return self._session is not None
 
@@ -130,6 +133,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
         while not self.connected and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return self.connected
+
+    async def get_server_info(self, timeout: float) -> engine_pb2.ServerInfo:
+        """The control plane's ServerInfo now (a call of its own, not on the session)."""
+        return await self._stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
+                                              timeout=timeout)
 
     async def _run(self) -> None:
         delay = self._backoff_s[0]
@@ -225,6 +233,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
                 if output.finish_reason == FinishReason.ERROR:
                     log.warning("request %s failed in the control plane: %s", out.request_id,
                                 out.error or "no message")
+                elif output.finish_reason == FinishReason.ABORT and out.error:
+                    # The control plane ended it (e.g. it shut down); the client sees finish
+                    # reason "abort" (the OpenAI API has no field for the message).
+                    log.info("request %s aborted by the control plane: %s", out.request_id,
+                             out.error)
             outputs.append(output)
         if outputs:
             self._outputs.put_nowait(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
@@ -238,6 +251,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         request_id = request.request_id
+        if self.drain.draining:  # passed check_admission before the drain began
+            raise self._refused(request_id, GatewayShuttingDown())
         reason = convert.unsupported_by_protocol(request)
         if reason is not None:
             raise self._refused(request_id, RequestRefused(reason))
@@ -272,7 +287,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
             admission.message or f"the control plane at {self.target} cannot take requests now"))
 
     def _refused(self, request_id: str, error: Exception) -> Exception:
-        REFUSED.labels(status="503" if isinstance(error, ControlPlaneUnavailable) else "400").inc()
+        REFUSED.labels(status=refusal_status(error)).inc()
         self.on_request_dropped(request_id)
         record_refusal(error)
         return error
@@ -341,25 +356,74 @@ class GatewayLLM(AsyncLLM):
         finally:
             EngineCoreClient.make_async_mp_client = factory
         self.core_client = core_client
+        self.drain = core_client.drain
         output_processor = self.output_processor
         core_client.on_request_dropped = (
             lambda request_id: output_processor.abort_requests([request_id], internal=True))
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine side; callable from any thread.
+
+        vLLM's serve_http calls it on SIGTERM/SIGINT from an executor thread with `timeout` =
+        --shutdown-timeout, while uvicorn keeps serving: the gateway then drains first (see
+        drain.py) and returns once nothing is in flight. With `timeout` None (start-up failures,
+        interpreter exit), or on the event loop's own thread, which must not block, it stops at
+        once; whatever is still in flight is then failed by the closing session.
+        """
         if getattr(self, "_shut_down", False):
             return  # AsyncLLM.__del__ repeats it at interpreter exit, when modules are torn down
         self._shut_down = True
+        if timeout is not None:
+            self._drain_from_thread(timeout)
         super().shutdown(timeout)
 
+    def _drain_from_thread(self, timeout: float) -> None:
+        loop = self.core_client.loop
+        try:
+            if asyncio.get_running_loop() is loop:
+                self.drain.begin()
+                return
+        except RuntimeError:
+            pass  # no loop in this thread: the expected case
+        try:
+            asyncio.run_coroutine_threadsafe(self.drain.run(self, timeout), loop).result()
+        except RuntimeError:
+            log.warning("cannot drain: the event loop has stopped")
+        except Exception:
+            log.exception("draining failed; stopping at once")
+
+    # ---- Drainable ----------------------------------------------------------------------
+    def num_in_flight(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    async def abort_in_flight(self) -> int:
+        # Internal ids (n>1 children included): the OutputProcessor gives each a final output
+        # with finish reason abort, which ends its stream, and the control plane drops them.
+        request_ids = list(self.output_processor.request_states)
+        if request_ids:
+            await self.abort(request_ids, internal=True)
+        return len(request_ids)
+
+    # ---- admission and health -----------------------------------------------------------
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         # Runs before a streamed response starts (vLLM's _preflight), so the 503 for an
-        # unreachable control plane is a real HTTP status, not an error inside a 200 stream.
-        if not self.core_client.connected:
-            REFUSED.labels(status="503").inc(n)
-            raise ControlPlaneUnavailable(self.core_client.unreachable_message)
+        # unreachable control plane or a draining gateway is a real HTTP status, not an error
+        # inside a 200 stream. vLLM runs it again just before it registers the request; a
+        # refusal there reaches RefusalStatusMiddleware through record_refusal.
+        error: Exception | None = None
+        if self.drain.draining:
+            error = GatewayShuttingDown()
+        elif not self.core_client.connected:
+            error = ControlPlaneUnavailable(self.core_client.unreachable_message)
+        if error is not None:
+            REFUSED.labels(status=refusal_status(error)).inc(n)
+            record_refusal(error)
+            raise error
         super().check_admission(n, request_id)
 
     async def check_health(self) -> None:
         await super().check_health()
-        if not self.core_client.connected:
-            raise ControlPlaneUnavailable(self.core_client.unreachable_message)
+        # Liveness only: a lost control plane shows on /ready (restarting the gateway would not
+        # bring it back); a draining gateway is on its way out.
+        if self.drain.draining:
+            raise GatewayShuttingDown("the gateway is shutting down")

@@ -2,7 +2,8 @@
 
 A refusal is raised from `add_request_async` as an exception type that vLLM's serving layer
 already maps to a status: `RequestRefused` is a VLLMValidationError (400), `ControlPlaneUnavailable`
-a GracefulHTTPError carrying 503. For non-streamed requests that is the whole story.
+and `GatewayShuttingDown` (this gateway drains) GracefulHTTPErrors carrying 503. For non-streamed
+requests that is the whole story.
 
 A streamed response has sent "200 OK" before its generator runs, so vLLM reports an error raised
 there as an SSE event inside a 200. The control plane's verdict arrives exactly there (after
@@ -39,6 +40,24 @@ class ControlPlaneUnavailable(GracefulHTTPError):
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
 
 
+class GatewayShuttingDown(GracefulHTTPError):
+    """This gateway is draining (SIGTERM arrived) and admits no new request: HTTP 503."""
+
+    MESSAGE = ("the gateway is shutting down and admits no new requests; "
+               "retry on another instance")
+
+    def __init__(self, message: str = MESSAGE) -> None:
+        super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+REFUSALS = (RequestRefused, ControlPlaneUnavailable, GatewayShuttingDown)
+
+
+def refusal_status(error: Exception) -> str:
+    """The `status` label of ttserve_gateway_refused_requests_total for a refusal."""
+    return "503" if isinstance(error, GracefulHTTPError) else "400"
+
+
 # The refusals recorded while serving the current HTTP request; set by the middleware. Tasks
 # spawned for the request copy the context, so they all see (and append to) the same list.
 _refusals: contextvars.ContextVar[list[Exception] | None] = contextvars.ContextVar(
@@ -64,7 +83,7 @@ class RefusalLogFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, (RequestRefused, ControlPlaneUnavailable)):
+        if isinstance(error, REFUSALS):
             record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
             record.args = ()
             record.exc_info = record.exc_text = None

@@ -20,6 +20,7 @@ from typing import NoReturn
 
 import grpc
 
+from ttserve.gateway.readiness import describe_workers
 from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -55,17 +56,11 @@ async def contact_control_plane(stub: engine_pb2_grpc.EngineStub, target: str,
     return info
 
 
-def _describe(info: engine_pb2.ServerInfo) -> str:
-    if not info.workers:
-        return "no workers"
-    return ", ".join(f"worker {w.address} {'ready' if w.ready else 'not ready'}" for w in info.workers)
-
-
 async def wait_until_ready(stub: engine_pb2_grpc.EngineStub, target: str, info: engine_pb2.ServerInfo,
                            timeout: float, log_every_s: float = 10.0) -> engine_pb2.ServerInfo:
     start = time.monotonic()
     last_log = start - log_every_s
-    state = _describe(info)
+    state = describe_workers(info)
     while not info.ready:
         now = time.monotonic()
         if now - start >= timeout:
@@ -79,7 +74,7 @@ async def wait_until_ready(stub: engine_pb2_grpc.EngineStub, target: str, info: 
         try:
             info = await stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
                                             timeout=5)
-            state = _describe(info)
+            state = describe_workers(info)
         except grpc.aio.AioRpcError as e:
             state = f"unreachable: {e.code().name}: {e.details()}"
     if time.monotonic() - start > 1:
@@ -116,7 +111,9 @@ def vllm_argv(args: argparse.Namespace, model: str, model_info: engine_pb2.Model
     argv = ["--model", model, "--served-model-name", *names,
             "--max-model-len", str(model_info.max_model_len),
             "--host", args.host, "--port", str(args.port),
-            "--uvicorn-log-level", args.uvicorn_log_level]
+            "--uvicorn-log-level", args.uvicorn_log_level,
+            # serve_http hands it to GatewayLLM.shutdown on SIGTERM: the drain's timeout.
+            "--shutdown-timeout", str(args.shutdown_timeout)]
     if args.api_key:
         argv += ["--api-key", *args.api_key]
     if args.enable_prompt_tokens_details:
@@ -253,7 +250,7 @@ async def discover(args: argparse.Namespace) -> tuple[str, engine_pb2.ModelInfo]
         stub = engine_pb2_grpc.EngineStub(channel)
         info = await contact_control_plane(stub, target, args.connect_timeout)
         log.info("control plane at %s: ttserve %s, protocol %d, %s", target, info.version,
-                 info.protocol_version, _describe(info))
+                 info.protocol_version, describe_workers(info))
         await wait_until_ready(stub, target, info, args.ready_timeout)
         model_info = await fetch_model_info(stub, target)
     finally:
@@ -288,6 +285,9 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+RESPONSES_FLUSH_S = 5
+
+
 async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace, vllm_config,
                          sock: socket.socket, started: float) -> None:
     """vLLM's OpenAI app on a GatewayLLM, served by vLLM's serve_http, until shutdown."""
@@ -299,6 +299,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
     from vllm.version import __version__ as vllm_version
 
+    from ttserve.gateway import metrics, readiness
     from ttserve.gateway.engine_client import GatewayLLM, GrpcEngineCoreClient
     from ttserve.gateway.errors import RefusalStatusMiddleware, quiet_refusal_tracebacks
 
@@ -320,10 +321,15 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         # build_app has already built the middleware stack (SageMaker bootstrap), so
         # add_middleware() is refused: insert ours outermost and rebuild, as that bootstrap does.
         app.user_middleware.insert(0, Middleware(RefusalStatusMiddleware))
+        app.user_middleware.insert(0, Middleware(metrics.RequestDurationMiddleware))
         app.middleware_stack = app.build_middleware_stack()
+        metrics.install(app)
+        readiness.install(app, readiness.ReadinessProbe(core_client, llm.drain))
         await init_app_state(llm, app.state, vllm_args, supported_tasks)
         quiet_refusal_tracebacks()
-        uvicorn_kwargs = {}
+        # After the drain, how long uvicorn waits for open responses to be written (the aborted
+        # streams' last chunks, slow readers) before it cancels them.
+        uvicorn_kwargs: dict = {"timeout_graceful_shutdown": RESPONSES_FLUSH_S}
         if (log_config := get_uvicorn_log_config(vllm_args)) is not None:
             uvicorn_kwargs["log_config"] = log_config
         host = f"[{args.host}]" if ":" in args.host else args.host

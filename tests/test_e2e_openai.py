@@ -206,7 +206,8 @@ def test_health_and_metrics(stack):
     with urllib.request.urlopen(f"{stack.http_url}/health", timeout=5) as r:
         assert r.status == 200
     with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as r:
-        assert b"vllm:" in r.read()
+        body = r.read()
+    assert b"ttserve_gateway_control_plane_connected 1.0" in body and b"vllm:" not in body
 
 
 # ---- the host sampler's options, end to end ----------------------------------------------------

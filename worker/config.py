@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help='device options, e.g. \'{"tt": {"trace_mode": "all"}}\'')
     g.add_argument("--metrics-port", type=int, default=9402,
                    help="HTTP port of /metrics, /health and /ready on --host (0: none)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
                    help="on SIGTERM, how long the control plane may go on stepping before the "
                         "worker stops")
     g.add_argument("--sim-profile", default="galaxy-llama-3.3-70b",
