@@ -1,5 +1,6 @@
 """The ttnn backend's contract with ttnn and with tt-metal models, checked against recording fakes
-(call order and arguments), plus one run against the real ttnn wheel on a chipless host."""
+(call order and arguments), including device-resident decode inputs across two pipelined decode
+steps (TtnnDevice over TtnnBackend), plus one run against the real ttnn wheel on a chipless host."""
 from __future__ import annotations
 
 import json
@@ -10,12 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes.fake_tt_model import make_model_class
+import torch
+from fakes import fake_tt_generator
+from fakes.fake_tt_generator import SamplingParams
+from fakes.fake_tt_model import make_model_class, next_token
 from fakes.fake_ttnn import FabricConfig, FabricReliabilityMode, FakeTtnn, MeshShape, Recorder
 
 from ttserve.worker import ttnn_backend
+from ttserve.worker.batch import ServingConfig
+from ttserve.worker.device_api import TtnnDevice
 from ttserve.worker.mesh import resolve_mesh
 from ttserve.worker.options import TraceFlags
+from ttserve.worker.sampling import SamplingBatch
 from ttserve.worker.ttnn_backend import (ChipProbe, DeviceError, MeshOpenError, ModelContractError,
                                          TraceRegionError, TtnnBackend, TtnnUnavailable, close_mesh,
                                          device_params, open_mesh, probe, probe_chips, require_chips)
@@ -255,25 +262,55 @@ def test_a_warmup_hook_needing_unknown_arguments_is_a_contract_error():
 
 # ---- steps -------------------------------------------------------------------------------------
 
+ROWS = 4
+
+
+def step(tokens=(5, 9, 0, 0), positions=(3, 7, -1, -1), blocks=((1,), (2,), (3,), (4,))) -> dict:
+    """decode_forward's inputs for a 4-row mesh batch (host tensors, as the contract has them)."""
+    return {"tokens": torch.tensor(tokens).reshape(-1, 1), "start_pos": torch.tensor(positions),
+            "page_table": torch.tensor(blocks, dtype=torch.int32), "kv_cache": "kv"}
+
+
+def greedy(rows: int = ROWS, seed=None) -> SamplingParams:
+    return SamplingParams(temperature=[0.0] * rows, top_k=[1] * rows, top_p=[1.0] * rows,
+                          seed=seed or [None] * rows)
+
+
+def prefill_inputs() -> dict:
+    return {"tokens": torch.tensor([[4, 5, 6]]), "page_table": torch.tensor([[1]], dtype=torch.int32),
+            "kv_cache": "kv", "prompt_lens": torch.tensor([3]), "start_pos": torch.tensor([0]),
+            "empty_slots": [0]}
+
+
+def sequence(recorder: Recorder) -> list[tuple]:
+    """The calls in order, with the argument that tells each apart."""
+    key = {"model.decode_forward": lambda d: (d["reset_batch"], d["inputs"]),
+           "model.read_decode_output": lambda d: d["async_read"],
+           "model.process_decode_output_host": lambda d: d["is_tokens"],
+           "ttnn.record_event": lambda d: d["event"], "ttnn.event_synchronize": lambda d: d["event"]}
+    return [(name, key[name](details)) if name in key else (name,) for name, details in recorder.calls]
+
+
 @pytest.mark.parametrize("trace_mode, flags", [("all", TraceFlags(True, True)),
                                                ("decode_only", TraceFlags(False, True)),
                                                ("none", TraceFlags(False, False))])
 def test_each_step_kind_gets_its_trace_flag(trace_mode, flags):
     backend, ttnn, model_cls = opened_backend(trace_mode=trace_mode)
-    model = model_cls(backend.mesh, 32)
+    model = model_cls(backend.mesh, ROWS)
     assert backend.trace == flags
-    assert backend.prefill(model, tokens="t", page_table="p", kv_cache="kv", prompt_lens=[3],
-                           start_pos=[0]) == "prefill-out"
-    backend.decode(model, tokens="t", start_pos="s", page_table="p", kv_cache="kv")
+    logits = backend.prefill(model, **prefill_inputs())
+    assert int(logits.reshape(1, -1).argmax()) == next_token(6, 2, model.vocab_size)
+    backend.decode(model, **step())
     assert ttnn.recorder.only("model.prefill_forward")[0]["enable_trace"] is flags.prefill
     assert ttnn.recorder.only("model.decode_forward")[0]["enable_trace"] is flags.decode
 
 
 def test_a_synchronous_decode_reads_back_then_processes_on_the_host():
     backend, ttnn, model_cls = opened_backend()
-    out = backend.decode(model_cls(backend.mesh, 32), tokens="t", start_pos="s", page_table="p",
-                         kv_cache="kv", sampling_params="greedy")
-    assert out == ("tokens", 32)
+    model = model_cls(backend.mesh, ROWS)
+    out = backend.decode(model, **step(), sampling_params=greedy())
+    # (tokens, log-probs) from the model: the tokens alone come back
+    assert out.reshape(-1).tolist() == [next_token(5, 3, 64), next_token(9, 7, 64), 0, 0]
     assert [(n, d.get("read_from_device", d.get("async_read", d.get("is_tokens"))))
             for n, d in ttnn.recorder.calls] == [
         ("model.decode_forward", False), ("model.read_decode_output", False),
@@ -282,48 +319,77 @@ def test_a_synchronous_decode_reads_back_then_processes_on_the_host():
 
 def test_async_decode_launches_reads_asynchronously_then_syncs_every_event_before_processing():
     backend, ttnn, model_cls = opened_backend(sample_on_device_mode="all")
-    model = model_cls(backend.mesh, 32)
-    pending = backend.launch_decode(model, tokens="t", start_pos="s", page_table="p", kv_cache="kv",
-                                    sampling_params="device")
-    assert ttnn.recorder.calls == [
-        ("model.decode_forward", {"tokens": "t", "enable_trace": True, "read_from_device": False,
-                                  "sampling_params": "device"}),
-        ("model.read_decode_output", {"async_read": True}),
-        ("ttnn.record_event", {"event": 1}), ("ttnn.record_event", {"event": 2}),
-    ]
+    model = model_cls(backend.mesh, ROWS)
+    params = greedy()
+    pending = backend.launch_decode(model, **step(), sampling_params=params, reset_batch=True)
+    call = ttnn.recorder.only("model.decode_forward")[0]
+    assert (call["tokens"], call["start_pos"], call["enable_trace"], call["read_from_device"],
+            call["sampling_params"], call["reset_batch"]) == ([5, 9, 0, 0], [3, 7, -1, -1], True, False, params, True)
+    assert sequence(ttnn.recorder) == [("model.decode_forward", (True, "host")), ("model.read_decode_output", True),
+                                       ("ttnn.record_event", 1), ("ttnn.record_event", 2)]
     assert backend.decodes_in_flight == 1 and pending.is_tokens
     ttnn.recorder.calls.clear()
-    assert backend.finish_decode(model, pending) == ("tokens", 32)
-    assert ttnn.recorder.calls == [
-        ("ttnn.event_synchronize", {"event": 1}), ("ttnn.event_synchronize", {"event": 2}),
-        ("model.process_decode_output_host", {"is_tokens": True}),
-    ]
+    tokens = backend.finish_decode(model, pending).reshape(-1).tolist()
+    assert tokens == [next_token(5, 3, 64), next_token(9, 7, 64), 0, 0]
+    assert sequence(ttnn.recorder) == [("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2),
+                                       ("model.process_decode_output_host", True)]
     assert backend.decodes_in_flight == 0
 
 
 def test_host_sampled_async_decode_processes_logits():
     backend, ttnn, model_cls = opened_backend()
-    model = model_cls(backend.mesh, 32)
-    pending = backend.launch_decode(model, tokens="t", start_pos="s", page_table="p", kv_cache="kv")
-    assert backend.finish_decode(model, pending) == ("logits", 32)
+    model = model_cls(backend.mesh, ROWS)
+    pending = backend.launch_decode(model, **step())
+    logits = backend.finish_decode(model, pending)
+    assert logits.shape == (ROWS, 1, 64) and int(logits[0].argmax()) == next_token(5, 3, 64)
+    assert ttnn.recorder.only("model.process_decode_output_host") == [{"is_tokens": False}]
+
+
+def test_a_decode_read_back_early_is_processed_once():
+    backend, ttnn, model_cls = opened_backend(sample_on_device_mode="all")
+    model = model_cls(backend.mesh, ROWS)
+    pending = backend.launch_decode(model, **step(), sampling_params=greedy())
+    early = backend.read_back(model, pending)
+    assert backend.decodes_in_flight == 1  # read, not finished
+    assert backend.finish_decode(model, pending) is early
+    # a second readback of one submission would corrupt it (the plugin's DeferredDecodeOutput)
+    assert [n for n, _ in ttnn.recorder.calls].count("model.process_decode_output_host") == 1
+    assert [d["event"] for d in ttnn.recorder.only("ttnn.event_synchronize")] == [1, 2]
 
 
 def test_at_most_two_decodes_are_in_flight():
     backend, _, model_cls = opened_backend()
-    model = model_cls(backend.mesh, 32)
-    step = {"tokens": "t", "start_pos": "s", "page_table": "p", "kv_cache": "kv"}
-    first, second = backend.launch_decode(model, **step), backend.launch_decode(model, **step)
+    model = model_cls(backend.mesh, ROWS)
+    first, second = backend.launch_decode(model, **step()), backend.launch_decode(model, **step())
     with pytest.raises(AssertionError, match="third"):
-        backend.launch_decode(model, **step)
+        backend.launch_decode(model, **step())
     backend.finish_decode(model, first)
     backend.finish_decode(model, second)
     with pytest.raises(AssertionError):
         backend.finish_decode(model, second)
 
 
+def test_reset_batch_reaches_only_a_model_that_takes_it():
+    backend, ttnn, model_cls = opened_backend(sample_on_device_mode="all")
+    backend.finish_decode(model := model_cls(backend.mesh, ROWS),
+                          backend.launch_decode(model, **step(), sampling_params=greedy()))
+    assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is False  # not passed: the default
+    older = make_model_class(ttnn, takes_reset_batch=False)(backend.mesh, ROWS)
+    backend.finish_decode(older, backend.launch_decode(older, **step(), sampling_params=greedy(), reset_batch=True))
+    assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is False
+
+
+@pytest.mark.parametrize("trace_mode, takes_reset_batch, keeps", [("all", True, True), ("decode_only", True, True),
+                                                                  ("none", True, False), ("all", False, False)])
+def test_only_a_traced_decode_that_takes_reset_batch_keeps_its_inputs(trace_mode, takes_reset_batch, keeps):
+    backend, ttnn, _ = opened_backend(trace_mode=trace_mode)
+    model = make_model_class(ttnn, takes_reset_batch=takes_reset_batch)(backend.mesh, ROWS)
+    assert backend.keeps_decode_inputs(model) is keeps
+
+
 def test_a_device_failure_in_a_step_is_one_line():
     backend, _, model_cls = opened_backend()
-    model = model_cls(backend.mesh, 32)
+    model = model_cls(backend.mesh, ROWS)
 
     def broken(**_):
         raise RuntimeError("TT_THROW @ dispatch.cpp:3: tt::exception\ninfo:\nTimeout waiting for device\n"
@@ -331,7 +397,129 @@ def test_a_device_failure_in_a_step_is_one_line():
 
     model.decode_forward = broken
     with pytest.raises(DeviceError, match=r"^decode: Timeout waiting for device$"):
-        backend.decode(model, tokens="t", start_pos="s", page_table="p", kv_cache="kv")
+        backend.decode(model, **step())
+
+
+# ---- device-resident decode inputs across pipelined steps (TtnnDevice over TtnnBackend) -----------
+
+def resident_device(monkeypatch, takes_reset_batch: bool = True, **options) -> tuple[TtnnDevice, FakeTtnn, object]:
+    monkeypatch.setattr(ttnn_backend, "hf_config_for", lambda path: "hf-config")
+    backend, ttnn, _ = opened_backend(**{"sample_on_device_mode": "all", **options})
+    device = TtnnDevice(backend)
+    model_cls = make_model_class(ttnn, takes_reset_batch=takes_reset_batch)
+    model = device.initialize(model_cls, Path("unused"), {}, ServingConfig(1, ROWS, 256, 256))
+    ttnn.recorder.calls.clear()
+    return device, ttnn, model
+
+
+def launch(device: TtnnDevice, model, params=None, previous=None, carried_rows=(), **inputs):
+    return device.launch_decode(model, params, **step(**inputs), previous=previous, carried_rows=carried_rows)
+
+
+def test_a_pipelined_pair_runs_the_second_step_on_the_tokens_the_first_left_on_the_device(monkeypatch):
+    device, ttnn, model = resident_device(monkeypatch)
+    assert device.resident_tokens
+    first = launch(device, model, greedy())
+    # step 2 is launched before step 1 is read back: its carried rows are placeholders (0)
+    second = launch(device, model, greedy(), device.device_tokens(first), [0, 1], tokens=(0, 0, 0, 0),
+                    positions=(4, 8, -1, -1))
+    assert sequence(ttnn.recorder) == [
+        ("model.decode_forward", (True, "host")), ("model.read_decode_output", True),
+        ("ttnn.record_event", 1), ("ttnn.record_event", 2),
+        ("model.decode_forward", (False, "device")), ("model.read_decode_output", True),
+        ("ttnn.record_event", 3), ("ttnn.record_event", 4)]
+    calls = ttnn.recorder.only("model.decode_forward")
+    assert [c["tokens"] for c in calls] == [[5, 9, 0, 0], [0, 0, 0, 0]]
+    assert [c["start_pos"] for c in calls] == [[3, 7, -1, -1], [4, 8, -1, -1]]
+    assert all(c["read_from_device"] is False and c["enable_trace"] is True for c in calls)
+    # empty rows get a zeroed page-table row
+    assert calls[0]["page_table"].tolist() == [[1], [2], [0], [0]]
+    ttnn.recorder.calls.clear()
+    a, b = next_token(5, 3, 64), next_token(9, 7, 64)
+    assert device.finish_decode(model, first).reshape(-1).tolist() == [a, b, 0, 0]
+    assert device.finish_decode(model, second).reshape(-1).tolist() == [
+        next_token(a, 4, 64), next_token(b, 8, 64), 0, 0]
+    assert sequence(ttnn.recorder) == [
+        ("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2), ("model.process_decode_output_host", True),
+        ("ttnn.event_synchronize", 3), ("ttnn.event_synchronize", 4), ("model.process_decode_output_host", True)]
+
+
+def test_a_pipelined_step_that_drops_a_row_reads_the_previous_step_back_first(monkeypatch):
+    device, ttnn, model = resident_device(monkeypatch)
+    first = launch(device, model, greedy())
+    ttnn.recorder.calls.clear()
+    # row 1 finished (max_tokens) with step 1: the device must stop decoding it, so every input
+    # is uploaded, and row 0's token has to come from step 1's readback
+    second = launch(device, model, greedy(), device.device_tokens(first), [0], tokens=(0, 0, 0, 0),
+                    positions=(4, -1, -1, -1))
+    a = next_token(5, 3, 64)
+    assert sequence(ttnn.recorder) == [
+        ("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2), ("model.process_decode_output_host", True),
+        ("model.decode_forward", (True, "host")), ("model.read_decode_output", True),
+        ("ttnn.record_event", 3), ("ttnn.record_event", 4)]
+    call = ttnn.recorder.only("model.decode_forward")[0]
+    assert call["tokens"] == [a, 0, 0, 0] and call["page_table"].tolist() == [[1], [0], [0], [0]]
+    ttnn.recorder.calls.clear()
+    assert device.finish_decode(model, first).reshape(-1).tolist()[:2] == [a, next_token(9, 7, 64)]
+    assert ttnn.recorder.calls == []  # read once, early
+    assert device.finish_decode(model, second).reshape(-1).tolist()[0] == next_token(a, 4, 64)
+
+
+def test_a_new_block_in_a_steady_step_refreshes_only_the_page_table(monkeypatch):
+    device, ttnn, model = resident_device(monkeypatch)
+    first = launch(device, model, greedy(), positions=(15, 7, -1, -1))
+    second = launch(device, model, greedy(), device.device_tokens(first), [0, 1], tokens=(0, 0, 0, 0),
+                    positions=(16, 8, -1, -1), blocks=((1, 5), (2, 0), (3, 0), (4, 0)))
+    call = ttnn.recorder.only("model.decode_forward")[1]
+    assert (call["reset_batch"], call["inputs"]) == (False, "device+page_table")
+    device.finish_decode(model, first)
+    a = next_token(5, 15, 64)
+    assert device.finish_decode(model, second).reshape(-1).tolist()[0] == next_token(a, 16, 64)
+
+
+def test_steady_steps_keep_the_device_seeds_and_a_prefill_resets_them(monkeypatch):
+    device, ttnn, model = resident_device(monkeypatch)
+    seeded = SamplingParams(temperature=[0.8, 0.0, 0.0, 0.0], top_k=[50, 1, 1, 1], top_p=[0.9, 1.0, 1.0, 1.0],
+                            seed=[1234, None, None, None])
+    out = device.finish_decode(model, launch(device, model, seeded))
+    a = out.reshape(-1).tolist()[0]
+    assert a == (next_token(5, 3, 64) + 1234) % 64
+    device.finish_decode(model, launch(device, model, seeded, tokens=(a, 0, 0, 0), positions=(4, 8, -1, -1)))
+    device.prefill(model, **prefill_inputs(), sampling_params=None)
+    device.finish_decode(model, launch(device, model, seeded, positions=(5, 9, -1, -1)))
+    assert [c["reset_batch"] for c in ttnn.recorder.only("model.decode_forward")] == [True, False, True]
+
+
+def test_a_host_sampled_step_makes_the_next_device_step_upload_its_inputs(monkeypatch):
+    device, ttnn, model = resident_device(monkeypatch)
+    device.finish_decode(model, launch(device, model, greedy()))
+    device.finish_decode(model, launch(device, model, None, tokens=(1, 2, 0, 0), positions=(4, 8, -1, -1)))
+    device.finish_decode(model, launch(device, model, greedy(), tokens=(3, 4, 0, 0), positions=(5, 9, -1, -1)))
+    assert [(c["reset_batch"], c["inputs"]) for c in ttnn.recorder.only("model.decode_forward")] == [
+        (True, "host"), (False, "host"), (True, "host")]
+
+
+def test_untraced_decode_never_keeps_tokens_and_resets_only_when_rows_change(monkeypatch):
+    device, ttnn, model = resident_device(monkeypatch, trace_mode="none")
+    assert not device.resident_tokens
+    for positions in ((3, 7, -1, -1), (4, 8, -1, -1), (5, -1, -1, -1)):
+        device.finish_decode(model, launch(device, model, greedy(), positions=positions))
+    assert [(c["reset_batch"], c["inputs"]) for c in ttnn.recorder.only("model.decode_forward")] == [
+        (True, "host"), (False, "host"), (True, "host")]
+
+
+def test_a_model_without_reset_batch_is_never_fed_from_the_device(monkeypatch):
+    device, ttnn, model = resident_device(monkeypatch, takes_reset_batch=False)
+    assert not device.resident_tokens
+    with pytest.raises(AssertionError, match="cannot take its decode tokens from the device"):
+        device.device_tokens(launch(device, model, greedy()))
+
+
+def test_device_sampling_params_are_tt_metals_with_a_seed_per_row(monkeypatch):
+    fake_tt_generator.install(monkeypatch)
+    device, _, _ = resident_device(monkeypatch)
+    params = device.sampling_params(SamplingBatch([0.0, 0.7], [0, 40], [1.0, 0.95]), [None, 7])
+    assert params == SamplingParams(temperature=[0.0, 0.7], top_k=[0, 40], top_p=[1.0, 0.95], seed=[None, 7])
 
 
 # ---- probing the host ----------------------------------------------------------------------------

@@ -5,12 +5,21 @@ device and per-lane rows, or a ttnn mesh and whole-mesh rows), the KV cache's sh
 warmup (compile then capture), the sampling-parameter type, and how a decode's readback is
 awaited. `TorchDevice` serves the torch reference models and the sim; `TtnnDevice` drives
 tt-metal models on a mesh through `TtnnBackend`.
+
+Decode inputs carried from the previous step (`carried_rows`, the rows whose request feeds the
+token the previous decode sampled): a torch model returns that step's tokens as a tensor the
+next step indexes by row. A tt-metal model never takes a device tensor as `tokens`; a traced,
+device-sampled decode instead keeps its tokens and positions in the trace's inputs and ignores
+the host ones unless `reset_batch` (or its own checks) says they are stale (the contract, with
+references, is in worker/ttnn_backend.py). So `TtnnDevice` tracks what the device holds and, per
+step, either lets the model run on it (`reset_batch=False`, carried rows are placeholders) or
+reads the previous decode back and uploads real tokens (`reset_batch=True`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -65,8 +74,13 @@ class TorchDevice:
     def prefill(self, model: Any, **kwargs: Any) -> Any:
         return model.prefill_forward(**kwargs, enable_trace=self.traced("prefill"))
 
-    def launch_decode(self, model: Any, sampling_params: Any, **kwargs: Any) -> PendingDecode:
-        out = model.decode_forward(**kwargs, sampling_params=sampling_params,
+    def launch_decode(self, model: Any, sampling_params: Any, *, tokens: torch.Tensor, previous: Any = None,
+                      carried_rows: Sequence[int] = (), **kwargs: Any) -> PendingDecode:
+        """`previous` is what `device_tokens` (or a finished decode) gave: token ids by row."""
+        if carried_rows:
+            rows = list(carried_rows)
+            tokens[rows, 0] = previous[rows].to(tokens.device, tokens.dtype)
+        out = model.decode_forward(tokens=tokens, **kwargs, sampling_params=sampling_params,
                                    enable_trace=self.traced("decode"), read_from_device=False)
         host_out, events = model.read_decode_output(out, async_read=True)
         return PendingDecode(out, host_out, list(events), sampling_params is not None)
@@ -83,13 +97,38 @@ class TorchDevice:
         pass
 
 
-class TtnnDevice:
-    """tt-metal models on a ttnn mesh (the production path), through TtnnBackend."""
+class ResidentTokens:
+    """The token ids a launched tt-metal decode sampled, still on the device (in the model's
+    decode inputs) until its readback completes; the runner hands it back as the next step's
+    `previous`, and only `TtnnDevice` reads it."""
 
-    resident_tokens = False  # feeding device-resident tokens by row is not wired for ttnn yet
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: Any) -> None:
+        self.pending = pending
+
+
+class TtnnDevice:
+    """tt-metal models on a ttnn mesh (the production path), through TtnnBackend.
+
+    Invariant: `_next_positions` is not None exactly when the model's trace inputs hold the
+    inputs of a decode that continues the last one (each active row's sampled token at its
+    position + 1, empty rows at -1): the last decode was traced and sampled on the device, the
+    model takes `reset_batch`, and no prefill ran since (a prefill switches the generator's mode,
+    and its next decode reloads from the host).
+    """
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
+        self._keeps_inputs = False                         # known once the model is built
+        self._next_positions: torch.Tensor | None = None
+        self._active: torch.Tensor | None = None           # the last decode's rows; None after prefill
+
+    @property
+    def resident_tokens(self) -> bool:
+        """A decode may take the previous one's tokens from the device: only a traced decode of
+        a model that takes `reset_batch` (TtnnBackend.keeps_decode_inputs)."""
+        return self._keeps_inputs
 
     def traced(self, kind: str) -> bool:
         return self.backend.trace.prefill if kind == "prefill" else self.backend.trace.decode
@@ -99,9 +138,11 @@ class TtnnDevice:
         if self.backend.mesh is None:
             self.backend.open()
         # tt-metal's max_batch_size is the whole mesh's rows; it gives each lane an equal share.
-        return self.backend.initialize_model(
+        model = self.backend.initialize_model(
             model_cls, hf_config_for(model_path), max_batch_size=config.num_lanes * config.max_num_seqs,
             max_seq_len=config.max_model_len, tt_data_parallel=config.num_lanes)
+        self._keeps_inputs = self.backend.keeps_decode_inputs(model)
+        return model
 
     def allocate_kv_cache(self, model: Any, num_blocks: int, num_kv_heads: int, block_size: int,
                           head_dim: int, num_layers: int, num_lanes: int) -> Any:
@@ -112,24 +153,67 @@ class TtnnDevice:
                progress: Progress) -> None:
         self.backend.warmup(model, kv_cache, max_batch_size=config.num_lanes * config.max_num_seqs,
                             num_blocks=page_table_width, progress=progress)
+        self._next_positions = self._active = None  # warmup ran the traces on dummy inputs
 
     def sampling_params(self, batch: SamplingBatch, seeds: list[int | None]) -> Any:
-        """tt-metal's own SamplingParams (lists per row); seeds instead of host generators."""
+        """tt-metal's own SamplingParams (lists per row); seeds instead of host generators, None
+        for a row without one (as the plugin sends them: async_decode.py `submit_decode`)."""
         from models.tt_transformers.tt.generator import SamplingParams  # a tt-metal host only
         return SamplingParams(temperature=[float(t) for t in batch.temperature], top_k=[int(k) for k in batch.top_k],
-                              top_p=[float(p) for p in batch.top_p], seed=[s or 0 for s in seeds])
+                              top_p=[float(p) for p in batch.top_p], seed=list(seeds))
 
     def prefill(self, model: Any, **kwargs: Any) -> Any:
-        return self.backend.prefill(model, **kwargs)
+        self._next_positions = self._active = None
+        out = self.backend.prefill(model, **kwargs)
+        return out.reshape(-1) if kwargs.get("sampling_params") is not None else out
 
-    def launch_decode(self, model: Any, sampling_params: Any, **kwargs: Any) -> Any:
-        return self.backend.launch_decode(model, sampling_params=sampling_params, **kwargs)
+    def launch_decode(self, model: Any, sampling_params: Any, *, tokens: torch.Tensor, start_pos: torch.Tensor,
+                      page_table: torch.Tensor, previous: Any = None, carried_rows: Sequence[int] = (),
+                      **kwargs: Any) -> Any:
+        """Launches a decode whose `carried_rows` take the previous decode's tokens.
+
+        When the device's inputs are this step's (same rows, each one position further, the last
+        decode sampled on the device and so does this one) the model runs on them with
+        `reset_batch=False` and the carried rows' host tokens stay placeholders, as the plugin's
+        steady decode does. Otherwise the previous decode is read back first (an early, single
+        readback, like the plugin's drain) and the model reloads everything from the host
+        (`reset_batch=True`). Untraced or host-sampled decodes upload the host tensors anyway;
+        they get `reset_batch` only when the rows changed, so device seeds are not re-applied
+        every step. Empty rows (position -1) get a zeroed page-table row, as in the plugin.
+
+        A continuing row's explicit token is the one this device sampled (the control plane
+        feeds back the worker's own tokens), so the model may ignore it. The model must refresh
+        only its page table when that alone changes (tt-metal's generator does; the plugin
+        relies on it too: a block appended in steady decode does not reset its batch).
+        """
+        active = start_pos >= 0
+        on_device = sampling_params is not None
+        resident = (on_device and self._next_positions is not None
+                    and torch.equal(start_pos, self._next_positions))
+        if carried_rows and not resident:
+            rows = list(carried_rows)
+            tokens[rows, 0] = self._host_tokens(model, previous)[rows].to(tokens.dtype)
+        rows_changed = self._active is None or not torch.equal(active, self._active)
+        reset = not resident if on_device and self.traced("decode") else rows_changed
+        pending = self.backend.launch_decode(
+            model, sampling_params=sampling_params, reset_batch=reset, tokens=tokens, start_pos=start_pos,
+            page_table=page_table.masked_fill(~active[:, None], 0), **kwargs)
+        self._active = active
+        self._next_positions = (torch.where(active, start_pos + 1, start_pos)
+                                if on_device and self._keeps_inputs else None)
+        return pending
+
+    def _host_tokens(self, model: Any, previous: Any) -> torch.Tensor:
+        if isinstance(previous, ResidentTokens):
+            return self.backend.read_back(model, previous.pending).reshape(-1)
+        return previous
 
     def finish_decode(self, model: Any, pending: Any) -> Any:
         return self.backend.finish_decode(model, pending)
 
-    def device_tokens(self, pending: Any) -> torch.Tensor:
-        raise NotImplementedError("async decode with device-resident tokens is not wired for ttnn")
+    def device_tokens(self, pending: Any) -> ResidentTokens:
+        assert self._keeps_inputs, "this model cannot take its decode tokens from the device"
+        return ResidentTokens(pending)
 
     def close(self) -> None:
         self.backend.close()

@@ -124,7 +124,9 @@ class ModelRunner:
         self.model = None
         self.kv_cache = None
         self._requests: dict[str, RequestState] = {}
-        self._previous_tokens = torch.zeros(0, dtype=torch.long)  # last decode's tokens, by row
+        # The last decode's tokens by row, for the rows that carry them into the next step; while
+        # that decode is pipelined, whatever device_api.device_tokens returned (it fills them in).
+        self._previous_tokens: Any = torch.zeros(0, dtype=torch.long)
 
     # ---- model facts ---------------------------------------------------------------------
     @staticmethod
@@ -340,10 +342,13 @@ class ModelRunner:
         positions = torch.full((rows,), -1, dtype=torch.long)  # -1: an empty row
         by_row: list[RequestState | None] = [None] * rows
         masks: list[bytes | None] = [None] * rows
+        carried: list[int] = []  # rows fed the previous step's token, possibly still on the device
         for item in items:
             state = self._state(item.request_id, item.new_block_ids)
-            # The previous step's token, possibly still on the device (async decode).
-            tokens[state.row, 0] = self._previous_tokens[state.row] if item.use_previous_token else item.token_id
+            if item.use_previous_token:
+                carried.append(state.row)
+            else:
+                tokens[state.row, 0] = item.token_id
             positions[state.row] = item.position
             by_row[state.row] = state
             masks[state.row] = item.token_bitmask or None
@@ -353,10 +358,10 @@ class ModelRunner:
         pending = self.device_api.launch_decode(
             self.model, self.device_api.sampling_params(sampling, [s.seed if s else None for s in by_row])
             if on_device else None, tokens=tokens, start_pos=positions, page_table=self._page_table,
-            kv_cache=self.kv_cache)
+            kv_cache=self.kv_cache, previous=self._previous_tokens, carried_rows=carried)
         if pipelined and on_device:
             # The result stays on the device until finish(), after the next step is launched;
-            # that step feeds these tokens straight from the device.
+            # that step's carried rows take these tokens from the device (device_api decides how).
             self._previous_tokens = self.device_api.device_tokens(pending)
             launched.readback = (pending, items)
             return

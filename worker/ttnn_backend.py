@@ -9,7 +9,34 @@ The order that matters, and who owns it here:
   so no program-cache allocation happens while a trace is live.
 - async decode (`launch_decode` / `finish_decode`): `decode_forward(read_from_device=False)` ->
   `read_decode_output(async_read=True)` -> `ttnn.event_synchronize` per event ->
-  `process_decode_output_host`; at most two decodes in flight.
+  `process_decode_output_host`; at most two decodes in flight, each read back exactly once.
+
+Device-resident decode inputs (what makes two decodes in flight possible). The public contract,
+as tt-metal's models implement it and the TT vLLM plugin drives it:
+- `decode_forward`'s `tokens` and `start_pos` are always host torch tensors: no tt-metal
+  generator takes a device tensor as the next step's tokens (`Generator.decode_forward_text`
+  chunks them with `torch.chunk`, models/tt_transformers/tt/generator.py).
+- A traced decode that samples on the device keeps its inputs on the device: the sampler writes
+  each row's token into the trace's token input (`sampling.sample(..., tt_out_tok=x)`) and
+  positions advance there (`ttnn.plus_one(current_pos, skip_negative_entries=True)`), both in
+  `Transformer.ttnn_decode_forward` / `_increment_decode_positions_device`
+  (models/tt_transformers/tt/model.py). The generator copies the host `tokens`/`start_pos` into
+  the trace inputs only when `reset_inputs = reset_batch or <prefill since the last decode> or
+  not sampling_on_device or <sampling mode changed>` (`Generator._decode_forward_trace_text`); a
+  changed page table alone refreshes only the page table (current generators; earlier ones
+  reloaded every input then, and so cannot overlap steps that append a block). Otherwise the
+  host values are ignored.
+- The plugin (tenstorrent/vllm-tt-plugin @ e3fc849, src/vllm_tt_plugin/) overlaps steps with
+  exactly that: in steady decode it passes host tokens that may lag one step (model_runner.py
+  `_prepare_model_inputs`, input_batch.py `_build_decode_input`) with `reset_batch=False`;
+  `reset_batch` is True only when the decode layout changed (a request placed or a slot freed,
+  input_batch.py:844-932, model_runner.py:1133, input_batch.py:1181), and any such step first
+  drains the pending readbacks (model_runner.py:1371-1372, 1421-1428) so the host tokens it then
+  uploads are real. Empty slots get position -1 and a zeroed page-table row (input_batch.py:1153,
+  1161). Readbacks are finalized exactly once (async_decode.py:75-90: a second readback of one
+  submission corrupts it).
+This module passes `reset_batch` and reads back idempotently (`read_back`); the bookkeeping of
+what the device holds is `TtnnDevice`'s (worker/device_api.py), which needs torch.
 
 ttnn is imported only when a device is used: this module loads on any host, and its names are
 those of ttnn 0.81.1. Nothing here imports torch or other ttserve modules than mesh and options.
@@ -307,6 +334,8 @@ class PendingDecode:
     events: list[Any]      # ttnn events to synchronize before host_out is complete
     is_tokens: bool        # sampled on the device (token ids), else logits
     launched_at: float
+    result: Any = None     # the host result once read back (see TtnnBackend.read_back)
+    read: bool = False
 
 
 class TtnnBackend:
@@ -408,39 +437,88 @@ class TtnnBackend:
         """`prefill_forward` with this mesh's prefill trace flag (tokens, page_table, kv_cache,
         prompt_lens, start_pos, sampling_params, empty_slots as the contract names them)."""
         with _device_errors("prefill"):
-            return model.prefill_forward(**kwargs, enable_trace=self.trace.prefill)
+            return host_output(model.prefill_forward(**kwargs, enable_trace=self.trace.prefill))
 
-    def decode(self, model: Any, *, sampling_params: Any = None, **kwargs: Any) -> Any:
+    def keeps_decode_inputs(self, model: Any) -> bool:
+        """Whether `model` can run a decode on the inputs the previous one left on the device:
+        only a traced decode keeps them (an untraced one uploads the host tensors every step),
+        and only a `decode_forward` that takes `reset_batch` can be told when they are stale."""
+        return self.trace.decode and _takes_keyword(model.decode_forward, "reset_batch")
+
+    def decode(self, model: Any, *, sampling_params: Any = None, reset_batch: bool | None = None,
+               **kwargs: Any) -> Any:
         """A decode step read back before returning: token ids [rows] when `sampling_params`
         asks the device to sample, else logits."""
         with _device_errors("decode"):
-            out = model.decode_forward(**kwargs, sampling_params=sampling_params,
+            out = model.decode_forward(**kwargs, **_reset(model, reset_batch), sampling_params=sampling_params,
                                        enable_trace=self.trace.decode, read_from_device=False)
             host = model.read_decode_output(out, async_read=False)
-            return model.process_decode_output_host(host, is_tokens=sampling_params is not None)
+            return host_output(model.process_decode_output_host(host, is_tokens=sampling_params is not None))
 
-    def launch_decode(self, model: Any, *, sampling_params: Any = None, **kwargs: Any) -> PendingDecode:
-        """Starts a decode step and its non-blocking readback; finish it with `finish_decode`."""
+    def launch_decode(self, model: Any, *, sampling_params: Any = None, reset_batch: bool | None = None,
+                      **kwargs: Any) -> PendingDecode:
+        """Starts a decode step and its non-blocking readback; finish it with `finish_decode`.
+
+        `reset_batch` (passed only when not None) tells the model to reload its decode inputs
+        from the host tensors; False lets a traced, device-sampled decode run on the tokens and
+        positions the previous decode left on the device. The readback is enqueued right after
+        the step, before any later step can overwrite the trace's output."""
         assert self._in_flight < MAX_DECODES_IN_FLIGHT, "finish a decode before launching a third"
         with _device_errors("decode"):
-            out = model.decode_forward(**kwargs, sampling_params=sampling_params,
+            out = model.decode_forward(**kwargs, **_reset(model, reset_batch), sampling_params=sampling_params,
                                        enable_trace=self.trace.decode, read_from_device=False)
             host_out, events = model.read_decode_output(out, async_read=True)
         self._in_flight += 1
         return PendingDecode(host_out, list(events), sampling_params is not None, time.perf_counter())
 
+    def read_back(self, model: Any, pending: PendingDecode) -> Any:
+        """Waits for `pending`'s readback and returns its host result. Idempotent: a decode read
+        early (the next step needs its tokens on the host) is processed once, and `finish_decode`
+        returns the same result."""
+        if not pending.read:
+            with _device_errors("decode readback"):
+                for event in pending.events:
+                    self.ttnn.event_synchronize(event)
+                pending.result = host_output(
+                    model.process_decode_output_host(pending.host_out, is_tokens=pending.is_tokens))
+            pending.read = True
+        return pending.result
+
     def finish_decode(self, model: Any, pending: PendingDecode) -> Any:
-        """Waits for the readback of `pending` and returns its host result."""
+        """Waits for the readback of `pending` (unless already read) and returns its host result."""
         assert self._in_flight > 0, "finish_decode without a launched decode"
         self._in_flight -= 1
-        with _device_errors("decode readback"):
-            for event in pending.events:
-                self.ttnn.event_synchronize(event)
-            return model.process_decode_output_host(pending.host_out, is_tokens=pending.is_tokens)
+        return self.read_back(model, pending)
 
     @property
     def decodes_in_flight(self) -> int:
         return self._in_flight
+
+
+def host_output(out: Any) -> Any:
+    """The token ids or logits of a host result: newer tt-metal generators return
+    (tokens or logits, log-probs), older ones the tensor alone (the plugin unpacks both,
+    vllm_tt_plugin/async_decode.py `finalize_decode`)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _reset(model: Any, reset_batch: bool | None) -> dict[str, bool]:
+    if reset_batch is None:
+        return {}
+    if not _takes_keyword(model.decode_forward, "reset_batch"):
+        if reset_batch:
+            log.debug("%s.decode_forward takes no reset_batch; its inputs reload on their own",
+                      type(model).__name__)
+        return {}
+    return {"reset_batch": reset_batch}
+
+
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def hf_config_for(model_path: Any) -> Any:

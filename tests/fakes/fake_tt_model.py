@@ -1,28 +1,74 @@
-"""A tt-metal-style model that records how it is driven.
+"""A tt-metal-style model that records how it is driven and computes deterministic tokens.
 
 Signatures follow tt-metal's Generator as the vLLM plugin calls it: warmup_model_prefill(kv_cache,
 enable_trace, can_sample_on_device), guarded by `already_warmed_up_prefill`; warmup_model_decode(
-kv_cache, enable_trace, max_batch_size, num_blocks, can_sample_on_device); decode_forward returning
-device tensors unless read_from_device; read_decode_output(async_read=True) -> (host, events).
+kv_cache, enable_trace, max_batch_size, num_blocks, can_sample_on_device); prefill_forward(tokens,
+page_table, kv_cache, prompt_lens, start_pos, enable_trace, sampling_params, empty_slots);
+decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace, read_from_device,
+sampling_params, reset_batch) returning device tensors unless read_from_device;
+read_decode_output(async_read=True) -> (host, events); process_decode_output_host returning
+(tokens or logits, log-probs) as newer generators do.
+
+What it models of the device, as tt-metal's generator and model do it:
+- Tokens. The token after (token, position) is `next_token`; a row whose SamplingParams has a
+  temperature above 0 adds the seed the device was given at its last `reset_batch`. Host
+  sampling gets logits whose argmax (by a wide margin) is that token.
+- Device-resident decode inputs. A traced decode keeps one set of inputs per sampling mode
+  (the trace's input tensors). With device sampling the sampled token is written into the token
+  input and each position >= 0 advances by one, on the device. Host `tokens`/`start_pos` are
+  copied in only when `reset_batch`, a prefill ran since the last decode, the step samples on
+  the host, or the sampling mode changed; a changed page table alone refreshes only the page
+  table. Each decode_forward call records where its inputs came from (`inputs`: "host",
+  "device" or "device+page_table").
+- The trace's output tensor is one buffer per sampling mode, overwritten by the next replay;
+  read_decode_output snapshots it at the time of the call (the non-blocking read is enqueued
+  on the command queue right behind the step).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from fakes.fake_ttnn import FakeTtnn
 
+HOST_LOGIT = 30.0  # the target token's logit: sampling at any temperature picks it
+
+
+def next_token(token: int, position: int, vocab_size: int) -> int:
+    return (7 * token + 3 * position + 1) % vocab_size
+
 
 class FakeDeviceTensor:
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
+    """A device tensor: one value per row (token ids, or the target token of the logits)."""
+
+    def __init__(self, values: list[int], is_tokens: bool) -> None:
+        self.values, self.is_tokens = values, is_tokens
+
+    @property
+    def rows(self) -> int:
+        return len(self.values)
 
 
 class FakeHostTensor:
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
+    def __init__(self, values: list[int]) -> None:
+        self.values = list(values)
+
+    @property
+    def rows(self) -> int:
+        return len(self.values)
 
 
-def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True) -> type:
+@dataclass
+class TraceInputs:
+    tokens: list[int]
+    positions: list[int]
+    page_table: torch.Tensor | None
+
+
+def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, vocab_size: int = 64,
+                     takes_reset_batch: bool = True) -> type:
     recorder = ttnn.recorder
 
     class FakeTtModel:
@@ -33,7 +79,14 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True) -> t
         def __init__(self, mesh_device: Any, max_batch_size: int) -> None:
             self.mesh_device = mesh_device
             self.max_batch_size = max_batch_size
+            self.vocab_size = vocab_size
             self.already_warmed_up_prefill = False
+            self.mode: str | None = None
+            self.trace_inputs: dict[bool, TraceInputs] = {}
+            self.trace_output: dict[bool, FakeDeviceTensor] = {}
+            self.prev_sampling_on_device: bool | None = None
+            self.prev_page_table: torch.Tensor | None = None
+            self.seeds: list[int | None] | None = None   # applied at the last reset_batch
 
         @classmethod
         def initialize_vllm_model(cls, hf_config: Any, mesh_device: Any, max_batch_size: int,
@@ -43,6 +96,11 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True) -> t
                          max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          tt_data_parallel=tt_data_parallel, optimizations=optimizations)
             return cls(mesh_device, max_batch_size)
+
+        def allocate_kv_cache(self, kv_cache_shape: tuple, dtype: Any, num_layers: int) -> list:
+            recorder.add("model.allocate_kv_cache", kv_cache_shape=kv_cache_shape, dtype=dtype,
+                         num_layers=num_layers)
+            return [["kv"] * num_layers]
 
         def warmup_model_prefill(self, kv_cache: Any, enable_trace: bool, can_sample_on_device: bool,
                                  greedy_only: bool = False) -> None:
@@ -59,33 +117,110 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True) -> t
                          max_batch_size=max_batch_size, num_blocks=num_blocks,
                          can_sample_on_device=can_sample_on_device)
 
-        def prefill_forward(self, tokens: Any, page_table: Any = None, kv_cache: Any = None,
-                            prompt_lens: Any = None, start_pos: Any = None, enable_trace: bool = True,
-                            sampling_params: Any = None, empty_slots: Any = None) -> str:
-            recorder.add("model.prefill_forward", enable_trace=enable_trace)
-            return "prefill-out"
+        # ---- steps ----
+        def _sample(self, token: int, position: int, row: int, sampling_params: Any) -> int:
+            target = next_token(token, position, self.vocab_size)
+            if sampling_params is None or _row(sampling_params.temperature, row) <= 0:
+                return target
+            assert self.seeds is not None, "device sampling with a temperature before any reset_batch"
+            return (target + (self.seeds[row] or 0)) % self.vocab_size
 
-        def decode_forward(self, tokens: Any, start_pos: Any, page_table: Any = None,
+        def _logits(self, targets: list[int]) -> torch.Tensor:
+            logits = torch.zeros(len(targets), 1, self.vocab_size)
+            logits[torch.arange(len(targets)), 0, torch.tensor(targets)] = HOST_LOGIT
+            return logits
+
+        def prefill_forward(self, tokens: torch.Tensor, page_table: Any = None, kv_cache: Any = None,
+                            prompt_lens: Any = None, start_pos: Any = None, enable_trace: bool = True,
+                            sampling_params: Any = None, empty_slots: Any = None) -> torch.Tensor:
+            recorder.add("model.prefill_forward", tokens=tokens.clone(), page_table=page_table.clone(),
+                         prompt_lens=prompt_lens.tolist(), start_pos=start_pos.tolist(),
+                         empty_slots=list(empty_slots), sampling_params=sampling_params,
+                         enable_trace=enable_trace)
+            self.mode = "prefill"
+            ends = prompt_lens.tolist()
+            targets = [next_token(int(tokens[i, end - 1]), end - 1, self.vocab_size) for i, end in enumerate(ends)]
+            if sampling_params is None:
+                return self._logits(targets)
+            if any(_row(sampling_params.temperature, i) > 0 for i in range(len(ends))):
+                seeds = list(sampling_params.seed)
+                targets = [(t + (seeds[i] or 0)) % self.vocab_size if _row(sampling_params.temperature, i) > 0
+                           else t for i, t in enumerate(targets)]
+            return torch.tensor(targets)
+
+        def _decode_inputs(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: torch.Tensor,
+                           enable_trace: bool, on_device: bool, reset_batch: bool) -> tuple[TraceInputs, str]:
+            host = TraceInputs(tokens.reshape(-1).tolist(), start_pos.tolist(), page_table.clone())
+            mode_switched = self.mode != "decode"
+            self.mode = "decode"
+            if not enable_trace:
+                return host, "host"
+            kept = self.trace_inputs.get(on_device)
+            changed_mode = self.prev_sampling_on_device not in (None, on_device)
+            self.prev_sampling_on_device = on_device
+            page_table_changed = self.prev_page_table is None or not torch.equal(self.prev_page_table, page_table)
+            self.prev_page_table = page_table.clone()
+            if kept is None or reset_batch or mode_switched or not on_device or changed_mode:
+                self.trace_inputs[on_device] = host
+                return host, "host"
+            if page_table_changed:
+                kept.page_table = host.page_table
+                return kept, "device+page_table"
+            return kept, "device"
+
+        def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: Any = None,
                            kv_cache: Any = None, enable_trace: bool = True,
                            read_from_device: bool = True, sampling_params: Any = None,
                            reset_batch: bool = False) -> Any:
-            recorder.add("model.decode_forward", tokens=tokens, enable_trace=enable_trace,
-                         read_from_device=read_from_device, sampling_params=sampling_params)
-            out = FakeDeviceTensor(self.max_batch_size)
+            on_device = sampling_params is not None
+            inputs, source = self._decode_inputs(tokens, start_pos, page_table, enable_trace, on_device,
+                                                 reset_batch)
+            recorder.add("model.decode_forward", tokens=tokens.reshape(-1).tolist(), start_pos=start_pos.tolist(),
+                         page_table=page_table.clone(), enable_trace=enable_trace,
+                         read_from_device=read_from_device, sampling_params=sampling_params,
+                         reset_batch=reset_batch, inputs=source)
+            if on_device and reset_batch:
+                self.seeds = list(sampling_params.seed)
+            values = [self._sample(token, position, row, sampling_params) if position >= 0 else 0
+                      for row, (token, position) in enumerate(zip(inputs.tokens, inputs.positions))]
+            if enable_trace and on_device:
+                inputs.tokens = list(values)   # the sampler writes into the trace's token input
+                inputs.positions = [p + 1 if p >= 0 else p for p in inputs.positions]
+            if enable_trace:
+                out = self.trace_output.setdefault(on_device, FakeDeviceTensor([], on_device))
+                out.values = values           # one output buffer per trace, overwritten each replay
+            else:
+                out = FakeDeviceTensor(values, on_device)
             if read_from_device:
-                return self.process_decode_output_host(self.read_decode_output(out),
-                                                       is_tokens=sampling_params is not None)
+                return self.process_decode_output_host(self.read_decode_output(out), is_tokens=on_device)
             return out
 
         def read_decode_output(self, tt_out: FakeDeviceTensor, async_read: bool = False) -> Any:
             recorder.add("model.read_decode_output", async_read=async_read)
-            host = FakeHostTensor(tt_out.rows)
+            host = FakeHostTensor(tt_out.values)
             if not async_read:
                 return host
             return host, [ttnn.record_event(self.mesh_device, 0), ttnn.record_event(self.mesh_device, 0)]
 
         def process_decode_output_host(self, tt_out: FakeHostTensor, is_tokens: bool = False) -> Any:
             recorder.add("model.process_decode_output_host", is_tokens=is_tokens)
-            return ("tokens" if is_tokens else "logits", tt_out.rows)
+            out = torch.tensor(tt_out.values).reshape(-1, 1) if is_tokens else self._logits(tt_out.values)
+            return out, torch.ones(out.shape[0])
 
-    return FakeTtModel
+    if takes_reset_batch:
+        return FakeTtModel
+
+    class OlderFakeTtModel(FakeTtModel):
+        """A generator from before `reset_batch`."""
+
+        def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: Any = None,
+                           kv_cache: Any = None, enable_trace: bool = True,
+                           read_from_device: bool = True, sampling_params: Any = None) -> Any:
+            return super().decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace,
+                                          read_from_device, sampling_params)
+
+    return OlderFakeTtModel
+
+
+def _row(value: Any, row: int) -> Any:
+    return value[row] if isinstance(value, list) else value
