@@ -120,7 +120,30 @@ def test_every_service_exports_metrics_that_promtool_accepts(stack):
         assert get(f"{url}/nothing")[0] == 404
 
 
-def test_prometheus_scrapes_all_three_services_and_finds_the_request_counter(stack, tmp_path):
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
+
+
+def shipped_config_for(stack) -> dict:
+    """deploy/prometheus/prometheus.yml as shipped, pointed at this stack's services, with its
+    rule files by absolute path and a 1 s scrape and evaluation interval."""
+    import yaml
+
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(DEPLOY / name) for name in config["rule_files"]]
+    live = {"ttserve-gateway": [stack.http_url], "ttserve-control": [stack.control_metrics_url],
+            "ttserve-worker": stack.worker_metrics_urls}
+    for job in config["scrape_configs"]:
+        urls = live.pop(job["job_name"])
+        job["static_configs"] = [
+            {"targets": [url.split("//")[1]], "labels": {**static.get("labels", {})}}
+            for url, static in zip(urls, job["static_configs"])]
+    assert not live, f"the shipped config has no job for {sorted(live)}"
+    return config
+
+
+def test_prometheus_with_the_shipped_config_scrapes_all_three_services_and_evaluates_every_rule(
+        stack, tmp_path):
     prometheus = need_tool("prometheus")
     from openai import OpenAI
 
@@ -129,11 +152,7 @@ def test_prometheus_scrapes_all_three_services_and_finds_the_request_counter(sta
     before = metric(stack.control_metrics_url, "ttserve_request_success_total", finished_reason="length") or 0
     for _ in range(2):
         client.completions.create(model=model, prompt="One, two,", max_tokens=3)
-    targets = {"gateway": stack.http_url, "control": stack.control_metrics_url,
-               "worker": stack.worker_metrics_urls[0]}
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [url.split("//")[1]]}]}
-                                 for job, url in targets.items()]}
+    config = shipped_config_for(stack)
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     port = free_port()
     server = Service("prometheus", [], tmp_path / "prometheus.log")
@@ -148,14 +167,32 @@ def test_prometheus_scrapes_all_three_services_and_finds_the_request_counter(sta
         assert status == 200, body
         return json.loads(body)["data"]["result"]
 
+    def rules() -> list[dict]:
+        status, body = get(f"{api}/rules")
+        assert status == 200, body
+        return [rule for group in json.loads(body)["data"]["groups"] for rule in group["rules"]]
+
     try:
-        wait_until(lambda: {r["metric"]["job"] for r in query("up == 1")} == set(targets), 60,
+        jobs = {job["job_name"] for job in config["scrape_configs"]}
+        wait_until(lambda: {r["metric"]["job"] for r in query("up == 1")} == jobs, 60,
                    "Prometheus to scrape all three services")
         wait_until(lambda: float(query('sum(ttserve_request_success_total{finished_reason="length"})')
                                  [0]["value"][1]) >= before + 2, 30, "the request counter in Prometheus")
         assert query("ttserve_gateway_control_plane_connected")[0]["value"][1] == "1"
-        assert query("ttserve_device_ready")[0]["value"][1] == "1"
+        assert query('ttserve_device_ready{worker="0"}')[0]["value"][1] == "1"  # the label joins
         assert query('ttserve_worker_up{worker="0"}')[0]["value"][1] == "1"
+        # Every shipped recording and alerting rule evaluates on the real series, and no alert
+        # fires on a healthy stack.
+        wait_until(lambda: all(rule.get("lastEvaluation", "").startswith("2") and
+                               not rule["lastEvaluation"].startswith("0001") for rule in rules()),
+                   30, "every rule to be evaluated")
+        broken = [(rule["name"], rule.get("lastError")) for rule in rules() if rule["health"] != "ok"]
+        assert not broken
+        wait_until(lambda: query("ttserve:generation_tokens:rate5m"), 30, "a recorded token rate")
+        assert query('ttserve:num_requests_running:sum')
+        firing = [a["labels"]["alertname"] for rule in rules() if rule["type"] == "alerting"
+                  for a in rule.get("alerts", []) if a["state"] == "firing"]
+        assert not firing
     finally:
         server.stop()
 
