@@ -226,7 +226,7 @@ def test_batched_prefill_rows_with_different_starts(smol, tokenizer):
         assert_logits_close(both[i], alone[0])
 
 
-def _run_decodes(smol, kv, seqs, rows_tables, steps=4):
+def _run_decodes(smol, kv, seqs, rows_tables, steps=4, **kw):
     """Prefill each (row, table) with its seq, then greedy-decode `steps` tokens together."""
     rows = [r for r, _ in rows_tables]
     tables = [t for _, t in rows_tables]
@@ -234,7 +234,7 @@ def _run_decodes(smol, kv, seqs, rows_tables, steps=4):
     logits = []
     for k in range(steps):
         feed = {r: (last[i], len(seqs[i]) + k) for i, r in enumerate(rows)}
-        out = decode(smol, kv, feed, dict(zip(rows, tables)))
+        out = decode(smol, kv, feed, dict(zip(rows, tables)), **kw)
         logits.append(out[rows, 0])
         last = out[rows, 0].argmax(-1).tolist()
     return torch.stack(logits, dim=1)  # [len(rows), steps, vocab]
@@ -272,6 +272,25 @@ def test_empty_decode_row_writes_no_kv_and_leaves_other_rows_unchanged(smol, tok
     assert_logits_close(mixed[0], alone[0])
     assert all(torch.equal(x, y) for la, lb in zip(kv, alone_kv) for x_l, y_l in zip(la, lb)
                for x, y in zip(x_l, y_l))
+
+
+def test_traced_decode_runs_every_row_and_matches_live_rows_outside_the_scratch_block(smol, tokenizer):
+    a, b = encode(tokenizer, PROMPTS[0]), encode(tokenizer, PROMPTS[1])
+    # Rows 1 and 2 stay empty, their page tables aimed at live blocks of both lanes.
+    rows_tables = [(0, [0, 1, 2]), (3, [0, 1, 2])]
+    live_kv, traced_kv = new_cache(smol, 16), new_cache(smol, 16)
+    live = _run_decodes(smol, live_kv, [a, b], rows_tables)
+    for lane in traced_kv:
+        for layer in lane:
+            for t in layer:
+                t[-1].fill_(7.0)  # the scratch block: whatever is there must not leak into rows
+    traced = _run_decodes(smol, traced_kv, [a, b], rows_tables, enable_trace=True)
+    assert_logits_close(traced, live)
+    assert torch.equal(traced.argmax(-1), live.argmax(-1))
+    for lane_live, lane_traced in zip(live_kv, traced_kv):
+        for layer_live, layer_traced in zip(lane_live, lane_traced):
+            for x, y in zip(layer_live, layer_traced):
+                torch.testing.assert_close(y[:-1], x[:-1])  # the scratch block alone differs
 
 
 def test_decode_output_reads_back_through_the_contract(smol, tokenizer):
@@ -335,7 +354,8 @@ def tiny(request, tmp_path_factory):
     return hf, folder, json.loads((folder / "config.json").read_text())
 
 
-def test_tiny_checkpoints_match_transformers_at_every_position(tiny):
+@pytest.mark.parametrize("trace", [False, True], ids=["live-rows", "traced-static-shapes"])
+def test_tiny_checkpoints_match_transformers_at_every_position(tiny, trace):
     hf, folder, cfg = tiny
     if cfg["model_type"] == "qwen3":
         assert (folder / "model.safetensors.index.json").is_file()
@@ -357,9 +377,28 @@ def test_tiny_checkpoints_match_transformers_at_every_position(tiny):
         assert_logits_close(logits[i, 0], ref[i][first - 1])
     for pos in range(first, 20):
         feed = {i: (seqs[i][pos], pos) for i in range(2) if pos < len(seqs[i])}
-        out = decode(model, kv, feed, {i: tables[i] for i in feed})
+        out = decode(model, kv, feed, {i: tables[i] for i in feed}, enable_trace=trace)
         for i in feed:
             assert_logits_close(out[i, 0], ref[i][pos])
+
+
+def test_static_decode_reads_nothing_back_so_a_cuda_graph_can_capture_it(tiny):
+    """On the meta device every tensor has a shape and no data: an operation that reads a value
+    back to the host (what a CUDA graph cannot capture) raises. The static decode runs through;
+    the live-rows plan, which reads positions back, does not."""
+    _, folder, cfg = tiny
+    meta = torch.device("meta")
+    model = REFERENCE_ARCHITECTURES[cfg["architectures"][0]].initialize_vllm_model(
+        cfg, meta, max_batch_size=2, max_seq_len=64, tt_data_parallel=2, model_path=str(folder))
+    kv = model.allocate_kv_cache((16, model.shape.num_kv_heads, 4, model.shape.head_dim),
+                                 torch.float32, model.shape.num_layers)
+    tokens, pos = torch.zeros(4, 1, dtype=torch.long, device=meta), torch.zeros(4, dtype=torch.long, device=meta)
+    page_table = torch.zeros(4, 16, dtype=torch.long, device=meta)
+    with torch.inference_mode():
+        logits = model._forward(model._static_step(tokens, pos, page_table, kv), kv)
+        assert logits.shape == (4, 96) and logits.device == meta
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            model._plan(tokens, pos, pos + 1, page_table, [0, 0, 1, 1], kv)
 
 
 def test_checkpoint_without_the_architecture_tensors_is_rejected(tmp_path):

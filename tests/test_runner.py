@@ -15,10 +15,10 @@ PROMPTS = {"greedy": [1, 504, 3458, 282, 4649], "seeded": [1, 9690, 314, 2185, 2
 
 
 def runner(model_path, model_cls=TorchLlamaForCausalLM, backend_traces=False, kv_tokens_per_lane=None,
-           **tt) -> tuple[ModelRunner, list]:
+           traced_kinds=frozenset({"prefill", "decode"}), **tt) -> tuple[ModelRunner, list]:
     r = ModelRunner(model_path, model_cls, "LlamaForCausalLM", torch.device("cpu"), torch.float32,
                     block_size=16, kv_cache_bytes=64 << 20,
-                    options=DeviceOptions(tt, backend_traces, kv_tokens_per_lane))
+                    options=DeviceOptions(tt, backend_traces, kv_tokens_per_lane, traced_kinds))
     progress = []
     r.warmup(CONFIG, lambda phase, done, total, detail: progress.append((phase, done, total)))
     return r, progress
@@ -51,6 +51,18 @@ def test_device_and_host_sampling_give_the_same_tokens(smollm2, host_run):
     host_out, host_paths = host_run
     assert device_out == host_out
     assert all(device_paths) and not any(host_paths)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"sample_on_device_mode": "all"}], ids=["host", "device"])
+def test_traced_torch_decode_runs_static_shapes_and_gives_the_same_tokens(smollm2, host_run, sampling):
+    # The worker's torch backend: decode traces only (a CUDA graph on CUDA, eager here).
+    r = runner(smollm2, backend_traces=True, traced_kinds=frozenset({"decode"}), trace_mode="all",
+               **sampling)[0]
+    assert (r.options.traced("prefill"), r.options.traced("decode")) == (False, True)
+    static_steps, static_decode = [], r.model._static_decode
+    r.model._static_decode = lambda *args: static_steps.append(1) or static_decode(*args)
+    out, _ = generate(r)
+    assert out == host_run[0] and len(static_steps) == 10
 
 
 def test_decode_only_mode_samples_prefill_on_the_host(smollm2, host_run):

@@ -78,7 +78,11 @@ def build_service(args: argparse.Namespace):
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise StartupError("--device cuda: torch sees no CUDA device on this host")
-        device_options = DeviceOptions(options, backend_traces=False)
+        # torch traces decode as a CUDA graph on CUDA (unless tt.trace_mode is "none"); on a CPU
+        # only when tt.trace_mode asks, running the trace's static shapes eagerly (every row,
+        # the whole page table: slower than computing live rows, meant to check that path).
+        device_options = DeviceOptions(options, backend_traces=device.type == "cuda" or "trace_mode" in options,
+                                       traced_kinds=frozenset({"decode"}))
         device_name = str(device)
         if backend == "sim":
             profile = PROFILES.get(args.sim_profile)

@@ -87,7 +87,7 @@ class TorchDevice:
 
     def finish_decode(self, model: Any, pending: PendingDecode) -> Any:
         for event in pending.events:
-            event.synchronize()  # the sim's events; torch's readback has none
+            event.synchronize()  # the sim's events, or the CUDA copy's (none on a CPU)
         return model.process_decode_output_host(pending.host_out, is_tokens=pending.is_tokens)
 
     def device_tokens(self, pending: PendingDecode) -> torch.Tensor:

@@ -78,12 +78,15 @@ class DeviceOptions:
     """How the runner drives the device: the validated `tt` options (worker/options.py) plus
     what the backend can do."""
     tt: dict = field(default_factory=dict)
-    backend_traces: bool = False              # the backend captures traces (ttnn, sim)
+    backend_traces: bool = False              # the backend runs trace shapes (ttnn, sim, torch)
     kv_tokens_per_lane: int | None = None     # KV budget fixed by the device, not by bytes
+    # Step kinds the backend can trace: torch traces decode only (a CUDA graph, or on a CPU the
+    # same static shapes run eagerly); prefill lengths vary too much to capture.
+    traced_kinds: frozenset[str] = frozenset({"prefill", "decode"})
 
     def traced(self, kind: str) -> bool:
-        if not self.backend_traces:
-            return False  # eager torch: the same padded shapes, no capture
+        if not self.backend_traces or kind not in self.traced_kinds:
+            return False
         flags = trace_flags(self.tt)
         return flags.prefill if kind == "prefill" else flags.decode
 

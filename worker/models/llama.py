@@ -19,6 +19,10 @@ The contract is the one tt-metal's models expose to serving systems
   row of prefill user i, which selects its lane.
 * Decode. One token per row at position start_pos[r]; start_pos -1 marks an empty row, which
   writes no KV and whose output is garbage.
+* Decode traces. With enable_trace, decode runs static shapes (every row of every lane, the whole
+  page table), as a device replays its trace: a CUDA graph on CUDA (captured by
+  warmup_model_decode), the same shapes eagerly on a CPU. Empty rows then write their K/V into a
+  scratch block that allocate_kv_cache adds after the caller's blocks and no page table names.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from ttserve.worker.sampling import SamplingBatch, sample
+
+from .decode_graph import DecodeGraph
 
 KVCache = list[list[list[torch.Tensor]]]  # [lane][layer] -> [K, V]
 
@@ -204,6 +210,7 @@ class TorchLlamaForCausalLM:
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos = emb.cos().to(device, dtype)
         self._sin = emb.sin().to(device, dtype)
+        self._decode_graph: DecodeGraph | None = None
 
     @classmethod
     def initialize_vllm_model(cls, hf_config: Any, mesh_device: torch.device, max_batch_size: int,
@@ -264,14 +271,16 @@ class TorchLlamaForCausalLM:
 
     def allocate_kv_cache(self, kv_cache_shape: tuple[int, ...], dtype: torch.dtype,
                           num_layers: int) -> KVCache:
-        """One cache per lane: [lane][layer] -> [K, V], each of shape kv_cache_shape."""
+        """One cache per lane: [lane][layer] -> [K, V], each kv_cache_shape plus one scratch block
+        (the last) that static-shape decode steps write their empty rows into."""
         blocks, kv_heads, block_size, head_dim = kv_cache_shape
         if (kv_heads, head_dim) != (self.shape.num_kv_heads, self.shape.head_dim):
             raise ValueError(f"kv_cache_shape {tuple(kv_cache_shape)} does not fit the model: "
                              f"num_kv_heads={self.shape.num_kv_heads}, head_dim={self.shape.head_dim}")
         if num_layers != self.shape.num_layers:
             raise ValueError(f"num_layers={num_layers}, the model has {self.shape.num_layers}")
-        return [[[torch.zeros(kv_cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
+        shape = (blocks + 1, kv_heads, block_size, head_dim)
+        return [[[torch.zeros(shape, dtype=dtype, device=self.device) for _ in "kv"]
                  for _ in range(num_layers)] for _ in range(self.lanes)]
 
     # --- contract: forward passes ------------------------------------------------------------
@@ -324,19 +333,22 @@ class TorchLlamaForCausalLM:
         sampling_params, tokens [R] int64; on the model's device unless read_from_device.
         tt-metal's extra keywords (reset_batch, prompt_tokens, ...) are accepted and ignored.
         """
-        del enable_trace
         rows = tokens.shape[0]
         if rows > self.lanes * self.max_batch_size:
             raise ValueError(f"decode batch has {rows} rows; the model has {self.lanes} lanes of "
                              f"{self.max_batch_size}")
         pos = _long(start_pos, rows)
-        # Only active rows are computed: a device replays the padded shape anyway, but on a CPU
-        # every empty row would be a full forward pass of wasted arithmetic.
         live = (pos >= 0).nonzero().flatten()
-        start = pos[live]
-        step = self._plan(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
-                          page_table.cpu()[live], [int(r) // self.max_batch_size for r in live], kv_cache)
-        logits = self._forward(step, kv_cache)
+        if enable_trace and rows == self.lanes * self.max_batch_size:
+            logits = self._static_decode(tokens, pos, page_table, kv_cache)[live.to(self.device)]
+        else:
+            # Only active rows are computed: on a CPU every empty row would be a full forward
+            # pass of wasted arithmetic.
+            start = pos[live]
+            step = self._plan(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
+                              page_table.cpu()[live], [int(r) // self.max_batch_size for r in live],
+                              kv_cache)
+            logits = self._forward(step, kv_cache)
         live_dev = live.to(logits.device)
         if sampling_params is not None:
             out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
@@ -348,9 +360,17 @@ class TorchLlamaForCausalLM:
 
     def read_decode_output(self, out: torch.Tensor, async_read: bool = False
                            ) -> torch.Tensor | tuple[torch.Tensor, list]:
-        """Brings a decode result to the host; torch has no read events, hence the empty list."""
+        """Brings a decode result to the host. An asynchronous read from CUDA comes with the
+        event that marks the copy done (the caller synchronizes on it before reading); on a CPU
+        there is nothing to wait for."""
         host = out.to("cpu", non_blocking=async_read)
-        return (host, []) if async_read else host
+        if not async_read:
+            return host
+        if out.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+            return host, [copied]
+        return host, []
 
     def process_decode_output_host(self, out: torch.Tensor, is_tokens: bool = False) -> torch.Tensor:
         return out.reshape(-1) if is_tokens else out
@@ -358,10 +378,68 @@ class TorchLlamaForCausalLM:
     def warmup_model_prefill(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to compile or capture: eager torch runs each shape as it comes."""
 
-    def warmup_model_decode(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to compile or capture: eager torch runs each shape as it comes."""
+    @torch.inference_mode()
+    def warmup_model_decode(self, kv_cache: KVCache | None = None, enable_trace: bool = False,
+                            **_: Any) -> None:
+        """With enable_trace on CUDA, captures the static decode as a CUDA graph (page tables as
+        wide as max_seq_len needs); eager torch has nothing else to compile."""
+        if not enable_trace or self.device.type != "cuda" or kv_cache is None:
+            return
+        block_size = kv_cache[0][0][0].shape[2]
+        self._decode_graph = DecodeGraph(
+            lambda tokens, pos, table: self._forward(self._static_step(tokens, pos, table, kv_cache), kv_cache),
+            self.lanes * self.max_batch_size, -(-self.max_seq_len // block_size), self.device)
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _static_decode(self, tokens: torch.Tensor, pos: torch.Tensor, page_table: torch.Tensor,
+                       kv_cache: KVCache) -> torch.Tensor:
+        """Logits [R, vocab] of every row through the static shapes: the captured graph when it
+        fits these inputs, else the same computation eagerly."""
+        graph = self._decode_graph
+        if graph is not None and graph.fits(tokens, page_table):
+            return graph.replay(tokens, pos, page_table.long())
+        dev = self.device
+        step = self._static_step(tokens.to(dev).long().reshape(-1, 1), pos.to(dev),
+                                 page_table.to(dev).long(), kv_cache)
+        return self._forward(step, kv_cache)
+
+    def _static_step(self, tokens: torch.Tensor, pos: torch.Tensor, page_table: torch.Tensor,
+                     kv_cache: KVCache) -> _Step:
+        """The decode plan with shapes fixed by the batch ([R, 1]) and the page table ([R, W]):
+        torch operations on the model's device only, nothing read back (capturable).
+
+        Every row attends over all W blocks, masked to its own positions. An empty row
+        (position -1) computes at position 0, attends to key 0 alone and writes into the
+        scratch block; its output is never used.
+        """
+        rows, width = page_table.shape
+        cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
+        scratch = cache_blocks - 1
+        dev = self.device
+        live = pos >= 0
+        at = pos.clamp(min=0)
+        in_use = torch.arange(width, device=dev)[None, :] <= (at // block_size)[:, None]
+        table = torch.where(in_use, page_table, 0).clamp(0, scratch - 1)
+        keys = torch.arange(width * block_size, device=dev)
+        causal = keys[None, :] <= at[:, None]
+        masks = {False: causal}
+        if self.shape.sliding_window is not None:
+            masks[True] = causal & (keys[None, :] > at[:, None] - self.shape.sliding_window)
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        masks = {k: m[:, None, None, :].expand(rows, 1, group, m.shape[-1]) for k, m in masks.items()}
+        blk = torch.where(live, table.gather(1, (at // block_size)[:, None]).squeeze(1), scratch)
+        off = torch.where(live, at % block_size, 0)
+        per_lane = self.max_batch_size
+        lanes: list[tuple[int, torch.Tensor | None]] = []
+        writes = {}
+        for lane in range(self.lanes):
+            lane_rows = torch.arange(lane * per_lane, (lane + 1) * per_lane, device=dev)
+            lanes.append((lane, None if self.lanes == 1 else lane_rows))
+            writes[lane] = (lane_rows, blk[lane_rows], off[lane_rows])
+        return _Step(tokens=tokens, positions=at.clamp(max=self.max_seq_len - 1)[:, None],
+                     last=torch.zeros(rows, dtype=torch.long, device=dev), masks=masks, lanes=lanes,
+                     block_table=table, writes=writes)
 
     def _plan(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
               page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Step:
