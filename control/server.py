@@ -23,6 +23,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def Session(self, requests: AsyncIterator[engine_pb2.ClientMessage],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.ServerMessage]:
+        if self.engine.draining:  # sessions already open go on; their new requests are refused
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down: "
+                                "it admits no new sessions or requests; retry on another replica")
         client_id, queue = self.engine.open_session()
         reader = asyncio.create_task(self._read(requests, client_id))
         try:

@@ -16,10 +16,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 
 from stack import Service, free_port, start_stack, wait_until
 from ttserve.client import EngineClient, Refused
+from ttserve.protocol import CALL_METADATA
 from ttserve.v1 import engine_pb2
 
 pytestmark = pytest.mark.e2e
@@ -240,6 +242,14 @@ def test_sigterm_lets_the_control_plane_finish_what_it_holds_and_refuse_the_rest
         client.add("late", [1, 2, 3], 4)
         with pytest.raises(Refused, match="shutting down"):
             client.collect({"late"})
+        newcomer = EngineClient(stack.control_address)  # a new session is refused outright
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                newcomer.stub.Session(iter([]), metadata=CALL_METADATA).next()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in refused.value.details()
+        finally:
+            newcomer.close()
         result = client.collect({"held"})["held"]
         assert (result.finish_reason, len(seen + result.token_ids)) == (FINISH.FINISH_REASON_LENGTH, 48)
         assert control.proc.wait(timeout=30) == 0
