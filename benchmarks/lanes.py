@@ -1,10 +1,11 @@
-"""The same workload on three topologies: 1 lane, a 4-lane group in one worker, 2 workers.
+"""The same workload on four topologies: 1 lane, a 4-lane group in one worker, 2 workers (with
+torch's default threads, and with one thread each).
 
 Each topology gets the same total capacity (16 rows) and the same 16 greedy requests of 64
 tokens, driven token-level through the control plane (no gateway). Reported: output tokens/s,
 device steps per worker, and the ratio of tokens/s to the 1-lane run measured in this command.
-On a CPU the workers share two cores, so this shows the system's overheads and step counts,
-not device scaling.
+On a CPU the workers share the cores, so this shows the system's overheads and step counts,
+not device scaling; `--num-threads` shows what splitting the cores between workers recovers.
 
     python benchmarks/lanes.py [--model smollm2] [--max-tokens 64]
 """
@@ -21,11 +22,14 @@ TOPOLOGIES = {
     "1 lane x 16": dict(workers=1, control=["--max-num-seqs", "16"]),
     "4-lane group x 4": dict(workers=1, control=["--data-parallel-size", "4", "--max-num-seqs", "4"]),
     "2 workers x 8": dict(workers=2, control=["--max-num-seqs", "8"]),
+    "2 workers x 8, 1 thread each": dict(workers=2, control=["--max-num-seqs", "8"],
+                                         worker=["--num-threads", "1"]),
 }
 
 
-def _measure(model: str, workers: int, control: list[str], max_tokens: int) -> dict:
-    worker = ["--model", model, "--kv-cache-memory-bytes", str(512 << 20)]
+def _measure(model: str, workers: int, control: list[str], max_tokens: int,
+             worker_flags: list[str]) -> dict:
+    worker = ["--model", model, "--kv-cache-memory-bytes", str(512 << 20), *worker_flags]
     with control_stack([worker] * workers, control) as client:
         client.add("warm", [1, 2, 3], 2)
         client.collect({"warm"})
@@ -45,7 +49,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    report = {name: _measure(args.model, t["workers"], t["control"], args.max_tokens)
+    report = {name: _measure(args.model, t["workers"], t["control"], args.max_tokens, t.get("worker", []))
               for name, t in TOPOLOGIES.items()}
     base = report["1 lane x 16"]["output_tokens_per_s"]
     for entry in report.values():

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def control(tmp_path_factory, smollm2):
     s = start_stack(tmp_path_factory.mktemp("control"), str(smollm2), gateway=False,
-                    control_flags=("--max-num-seqs", "4"))
+                    control_flags=("--max-num-seqs", "4"), worker_flags=("--num-threads", "1"))
     yield s
     s.stop()
 
@@ -120,6 +120,10 @@ def test_model_info_reports_limits(control):
     ("ttserve.control", ["--data-parallel-size", "0"], "--data-parallel-size"),
     ("ttserve.control", ["--max-num-seqs", "0"], "per-lane"),
     ("ttserve.control", ["--tensor-parallel-size", "2"], "MESH_DEVICE"),
+    ("ttserve.control", ["--stall-timeout", "0"], "--stall-timeout"),
+    ("ttserve.control", ["--metrics-port", "70000"], "--metrics-port"),
+    ("ttserve.worker", ["--num-threads", "-1"], "--num-threads"),
+    ("ttserve.worker", ["--metrics-port", "70000"], "--metrics-port"),
 ])
 def test_bad_startup_exits_nonzero_with_one_clear_line(module, args, words):
     port = free_port()

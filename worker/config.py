@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV cache budget over all lanes, bytes")
     g.add_argument("--additional-config", default=None,
                    help='device options, e.g. \'{"tt": {"trace_mode": "all"}}\'')
+    g.add_argument("--num-threads", type=int, default=0, metavar="N",
+                   help="torch CPU threads for the model (0: torch's default, one per core); "
+                        "give each of several workers on one host its share of the cores")
     g.add_argument("--metrics-port", type=int, default=9402,
                    help="HTTP port of /metrics, /health and /ready on --host (0: none)")
     g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
@@ -64,6 +67,10 @@ def build_service(args: argparse.Namespace):
     from .server import DeviceService
     from .sim import PROFILES, SimModel
 
+    if args.num_threads < 0:
+        raise StartupError(f"--num-threads must be 0 (torch's default) or a positive count, got {args.num_threads}")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     try:
         options = parse_additional_config(args.additional_config, getattr(args, "additional_config_dotted", None))
         if args.block_size < 1 or args.kv_cache_memory_bytes < 1:
