@@ -24,9 +24,12 @@ def control_stack(worker_args: list[list[str]], control_args: list[str],
     every worker is ready, and stops everything on exit."""
     ports = [free_port() for _ in worker_args]
     control_port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "ttserve.worker", "--port", str(port), *args],
+    # Every service gets its own metrics port: the defaults would collide between workers.
+    procs = [subprocess.Popen([sys.executable, "-m", "ttserve.worker", "--port", str(port),
+                               "--metrics-port", str(free_port()), *args],
                               stderr=subprocess.DEVNULL) for port, args in zip(ports, worker_args)]
     procs.append(subprocess.Popen([sys.executable, "-m", "ttserve.control", "--port", str(control_port),
+                                   "--metrics-port", str(free_port()),
                                    *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")], *control_args],
                                   stderr=subprocess.DEVNULL))
     address = f"127.0.0.1:{control_port}"

@@ -116,6 +116,7 @@ def start_vllm(model: str, port: int, python: str, structured_config: str | None
 def start_ttserve(model: str, port: int, python: str) -> Server:
     argv = [python, "-m", "ttserve.cli", "up", "--port", str(port),
             "--control-port", str(free_port()), "--worker-port", str(free_port()),
+            "--control-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port()),
             "--model", model]
     return Server("ttserve", argv, port)
 

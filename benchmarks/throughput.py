@@ -91,6 +91,8 @@ def main() -> int:
     port = _free_port()
     up = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(port),
                            "--control-port", str(_free_port()), "--worker-port", str(_free_port()),
+                           "--control-metrics-port", str(_free_port()),
+                           "--worker-metrics-port", str(_free_port()),
                            "--model", model_path, "--max-num-seqs", str(max(args.concurrency, 1))],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

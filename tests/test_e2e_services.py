@@ -161,10 +161,11 @@ def test_lost_worker_gives_503_then_recovers(tmp_path, smollm2):
 
 
 def test_ttserve_up_routes_flags_and_stops_cleanly_on_sigterm(tmp_path, smollm2):
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(5)]
     log = open(tmp_path / "up.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
                              "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
+                             "--control-metrics-port", str(ports[3]), "--worker-metrics-port", str(ports[4]),
                              "--model", str(smollm2), "--max-num-seqs", "3", "--block-size", "32"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
