@@ -5,6 +5,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
+
+__all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams", "TokenLogprobs"]
+
 if TYPE_CHECKING:
     from .grammar import Grammar, GrammarSpec
 
@@ -46,22 +50,12 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return has_penalties(self)
 
     @property
     def needs_host_sampler(self) -> bool:
         """Options the device sampler cannot express (min_tokens aside: it lapses)."""
-        return bool(self.has_penalties or self.min_p or self.logit_bias or self.allowed_token_ids
-                    or self.bad_words or self.logprobs is not None)
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs of one sampled token: the sampled token first, then the top-k, most likely
-    first; `rank` is the sampled token's (1 = most likely)."""
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
+        return needs_host_sampler(self)
 
 
 @dataclass(slots=True, eq=False)

@@ -121,7 +121,7 @@ def _run_penalised(r: ModelRunner, steps: int, resume_after: int | None = None,
     prompt = PROMPTS["greedy"]
 
     def host(outputs: list[int]) -> HostSampling:
-        return HostSampling(num_logprobs=3, prompt_token_ids=list(prompt), output_token_ids=list(outputs),
+        return HostSampling(logprobs=3, prompt_token_ids=list(prompt), output_token_ids=list(outputs),
                             **penalties)
 
     new = NewRequest("p", 0, 2, 0.0, 1.0, 0, None, host=host([]))

@@ -151,7 +151,7 @@ def test_prefill_then_decode_sample_on_the_device_with_tt_metal_params(model_dir
 
 # ---- host sampling -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("host", [HostSampling(num_logprobs=2), HostSampling(presence_penalty=0.5)],
+@pytest.mark.parametrize("host", [HostSampling(logprobs=2), HostSampling(presence_penalty=0.5)],
                          ids=["logprobs", "penalty"])
 def test_a_batch_that_needs_the_host_sampler_gets_logits_and_the_next_returns_to_the_device(
         model_dir, monkeypatch, host):
@@ -162,7 +162,7 @@ def test_a_batch_that_needs_the_host_sampler_gets_logits_and_the_next_returns_to
     assert ttnn.recorder.only("model.prefill_forward")[0]["sampling_params"] is None
     last = {rid: expected(rid, ids[-1], len(ids) - 1, on_device=False) for rid, ids in PROMPTS.items()}
     assert first.tokens == last
-    assert set(first.logprobs) == ({"greedy"} if host.num_logprobs else set())
+    assert set(first.logprobs) == ({"greedy"} if host.logprobs else set())
 
     position = {rid: len(ids) for rid, ids in PROMPTS.items()}
     ttnn.recorder.calls.clear()
@@ -173,7 +173,7 @@ def test_a_batch_that_needs_the_host_sampler_gets_logits_and_the_next_returns_to
     assert call["sampling_params"] is None and call["tokens"] == [
         first.tokens["greedy"], 0, first.tokens["seeded"], 0]
     assert ttnn.recorder.only("model.process_decode_output_host") == [{"is_tokens": False}]
-    if host.num_logprobs:
+    if host.logprobs:
         logprobs = result.logprobs["greedy"]
         assert logprobs.token_ids[0] == last["greedy"] and logprobs.rank == 1 and len(logprobs.token_ids) == 3
 

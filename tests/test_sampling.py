@@ -129,7 +129,7 @@ def _host_batch(hosts: list[HostSampling | None], temperature: float = 0.0, top_
 
 def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first():
     logits = _logits(3)
-    hosts = [HostSampling(num_logprobs=5), None, HostSampling(num_logprobs=0, presence_penalty=2.0,
+    hosts = [HostSampling(logprobs=5), None, HostSampling(logprobs=0, presence_penalty=2.0,
                                                               output_token_ids=[1, 2])]
     batch = _host_batch(hosts)
     tokens = sample(logits, batch)
@@ -150,7 +150,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first():
 
 def test_logprob_rank_of_a_forced_token_counts_the_tokens_above_it():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-    batch = _host_batch([HostSampling(num_logprobs=2, logit_bias={3: 100.0})])
+    batch = _host_batch([HostSampling(logprobs=2, logit_bias={3: 100.0})])
     tokens = sample(logits, batch)
     (lp,) = gather_logprobs(logits, tokens, batch)
     assert tokens.tolist() == [3] and lp.rank == 4 and lp.token_ids == [3, 0, 1]

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
+
+__all__ = ["DecodeItem", "HostSampling", "NewRequest", "PrefillChunk", "ServingConfig", "StepBatch",
+           "StepResult", "TokenLogprobs"]
+
 
 @dataclass(slots=True)
 class HostSampling:
@@ -16,28 +21,18 @@ class HostSampling:
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: list[int] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)
-    num_logprobs: int | None = None            # top-k logprobs per sampled token; None = none
+    logprobs: int | None = None                # top-k logprobs per sampled token; None = none
     prompt_token_ids: list[int] = field(default_factory=list)   # read by repetition_penalty
     output_token_ids: list[int] = field(default_factory=list)   # read by penalties, bad words
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return has_penalties(self)
 
     @property
     def active(self) -> bool:
         """Some option is set: the request's batches are sampled on the host."""
-        return bool(self.min_p or self.has_penalties or self.logit_bias or self.allowed_token_ids
-                    or self.bad_words or self.num_logprobs is not None)
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs of one sampled token: the sampled token first, then the top-k, most likely
-    first; `rank` is the sampled token's (1 = most likely)."""
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
+        return needs_host_sampler(self)
 
 
 @dataclass(slots=True)

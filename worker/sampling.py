@@ -211,8 +211,8 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingB
     counts the tokens at least as likely as the sampled one (1 = most likely), as vLLM's
     batched_count_greater_than does.
     """
-    wanted = [(i, h.num_logprobs) for i, h in enumerate(batch.host)
-              if h is not None and h.num_logprobs is not None]
+    wanted = [(i, h.logprobs) for i, h in enumerate(batch.host)
+              if h is not None and h.logprobs is not None]
     result: list[TokenLogprobs | None] = [None] * len(batch)
     if not wanted:
         return result

@@ -33,7 +33,7 @@ def _host_sampling(r: device_pb2.NewRequest) -> HostSampling | None:
         repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias),
         allowed_token_ids=list(s.allowed_token_ids),
         bad_words=[list(w.token_ids) for w in s.bad_words if w.token_ids],
-        num_logprobs=s.logprobs if s.HasField("logprobs") else None,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_token_ids=list(r.prompt_token_ids), output_token_ids=list(r.output_token_ids))
     return host if host.active else None
 
