@@ -96,17 +96,12 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then drain: refuse new requests, finish (or after
     --shutdown-timeout abort) the ones held, and exit 0."""
-    from ttserve.grpc_service import ListenError, run_service
+    from ttserve.grpc_service import run_service
     from ttserve.ops_http import OpsEndpoints
 
     from .server import serve
 
     engine = Engine(config)
-    try:
-        service = await serve(engine, args.host, args.port)
-    except ListenError as e:
-        log.error("%s", e)
-        return 1
 
     async def drain() -> None:
         await engine.drain(args.shutdown_timeout)
@@ -117,8 +112,8 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
                              ready=lambda: (engine.ready, engine.not_ready_reason))
     runner = asyncio.create_task(engine.run())
     try:
-        if not await run_service(service, (args.host, args.metrics_port), endpoints, "control plane",
-                                 drain, engine.fatal):
+        if not await run_service(serve(engine, args.host, args.port), (args.host, args.metrics_port),
+                                 endpoints, "control plane", drain, engine.fatal):
             return 1
     finally:
         runner.cancel()

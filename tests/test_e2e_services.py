@@ -3,6 +3,7 @@ start-up failures, a lost worker, and `ttserve up`."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 
@@ -211,3 +212,17 @@ def test_grammar_is_enforced_for_a_tokenless_client_and_a_bad_one_ends_with_an_e
     assert finished["bad"].finish_reason == engine_pb2.FINISH_REASON_ERROR and not finished["bad"].token_ids
     assert "regex" in finished["bad"].error
 
+
+
+@pytest.mark.parametrize("busy_flag", ["--port", "--metrics-port"])
+def test_a_busy_port_fails_start_up_with_one_line_naming_it(busy_flag):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = {"--port": str(free_port()), "--metrics-port": str(free_port()), busy_flag: str(busy)}
+        done = subprocess.run([sys.executable, "-m", "ttserve.control", *[x for kv in ports.items() for x in kv]],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{busy}" in errors[0], done.stderr

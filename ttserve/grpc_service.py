@@ -72,13 +72,19 @@ async def wait_for_stop(*also: asyncio.Future) -> None:
     stopped.cancel()
 
 
-async def run_service(service: GrpcService, metrics_at: tuple[str, int], endpoints: OpsEndpoints,
-                      what: str, drain: Callable[[], Awaitable[None]], *stop_early: asyncio.Future) -> bool:
-    """Serve, with the operations endpoint on `metrics_at` (port 0: none), until SIGTERM or
-    SIGINT — then drain: gRPC health turns NOT_SERVING and `drain()` runs — or until any of
-    `stop_early` is done (no drain). Both servers are stopped on return. False when the
-    operations endpoint cannot listen (logged)."""
+async def run_service(start: Awaitable[GrpcService], metrics_at: tuple[str, int],
+                      endpoints: OpsEndpoints, what: str, drain: Callable[[], Awaitable[None]],
+                      *stop_early: asyncio.Future) -> bool:
+    """Start the gRPC service (`start`) and the operations endpoint on `metrics_at` (port 0:
+    none); serve until SIGTERM or SIGINT — then drain: gRPC health turns NOT_SERVING and
+    `drain()` runs — or until any of `stop_early` is done (no drain). Both servers are stopped on
+    return. False when either cannot listen (logged)."""
     host, port = metrics_at
+    try:
+        service = await start
+    except ListenError as e:
+        log.error("%s", e)
+        return False
     try:
         ops = await start_ops_server(host, port, endpoints, what) if port else None
     except OSError as e:

@@ -164,19 +164,14 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(service, args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then drain: refuse new streams, let the control plane finish
     its steps (up to --shutdown-timeout), and exit 0."""
-    from ttserve.grpc_service import ListenError, run_service
+    from ttserve.grpc_service import run_service
     from ttserve.ops_http import OpsEndpoints
 
     from .server import serve
 
-    try:
-        grpc_service = await serve(service, args.host, args.port)
-    except ListenError as e:
-        log.error("%s", e)
-        return 1
     endpoints = OpsEndpoints(service.metrics.registry,
                              health=lambda: (not service.draining, "the worker is shutting down"),
                              ready=lambda: (service.ready, service.not_ready_reason))
-    ok = await run_service(grpc_service, (args.host, args.metrics_port), endpoints, "worker",
-                           lambda: service.drain(args.shutdown_timeout))
+    ok = await run_service(serve(service, args.host, args.port), (args.host, args.metrics_port),
+                           endpoints, "worker", lambda: service.drain(args.shutdown_timeout))
     return 0 if ok else 1
