@@ -14,7 +14,7 @@ from .admission import AdmissionError, Limits, check_request
 from .grammar import Grammar, GrammarCompiler, GrammarError
 from .metrics import ControlMetrics
 from .placement import Candidate, choose_lane
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request
 from .wire import WorkerDescription, admission_pb, output_to_pb, request_from_pb
 from .worker_group import EngineConfig, ServingLimits, StartupError, WorkerGroup
 from .worker_link import WorkerError
@@ -147,11 +147,9 @@ class Engine:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            group = self.groups[request.worker]
-            if group.group is not None:
-                group.group.lanes[request.lane].finish(request, FinishReason.ABORT)
-                group.wake()
-                self._finished(request, time.monotonic())
+            self._end(request, FinishReason.ABORT, "")
+            self.groups[request.worker].wake()
+            self._finished(request, time.monotonic())
 
     # ---- workers -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -179,7 +177,7 @@ class Engine:
                 log.warning("max_model_len lowered from %d to %d: one lane's KV cache holds %d tokens",
                             max_model_len, lane_capacity, lane_capacity)
                 max_model_len = lane_capacity
-            self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len)
+            self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len, d.block_size)
             self.grammars = GrammarCompiler(self.config.tokenizer or d.model_path, d.vocab_size,
                                             d.eos_token_ids)
             return self.serving
@@ -188,6 +186,10 @@ class Engine:
             raise StartupError(f"the worker at {d.address} serves {d.architecture} (vocabulary "
                                f"{d.vocab_size}) but this control plane serves {s.architecture} "
                                f"(vocabulary {s.vocab_size}): every worker must serve the same model")
+        if d.block_size != s.block_size:
+            raise StartupError(f"the worker at {d.address} uses KV blocks of {d.block_size} tokens but "
+                               f"the first worker uses {s.block_size}: start every worker with the same "
+                               "--block-size (prefix caching and placement hash whole blocks)")
         if lane_capacity < s.max_model_len:
             raise WorkerError(f"the worker at {d.address} holds {lane_capacity} tokens per lane, "
                               f"below max_model_len {s.max_model_len}: give it more KV memory")
@@ -267,4 +269,4 @@ class Engine:
         if group is not None:
             group.lanes[request.lane].finish(request, reason, message)
         else:
-            request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, message
+            request.finish(reason, message)

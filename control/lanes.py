@@ -26,6 +26,14 @@ class GroupPlan:
     def has_work(self) -> bool:
         return self.kind is not StepKind.EMPTY or any(p.released_ids for p in self.lanes)
 
+    @property
+    def samples_on_host(self) -> bool:
+        """Some decode row needs the host sampler: its options or grammar, or min_tokens still
+        masking its EOS (the same rule as Scheduler.followup's)."""
+        return any(w.request.needs_host_sampler
+                   or w.request.sampling.min_tokens > len(w.request.output_token_ids)
+                   for lane in self.lanes for w in lane.decode)
+
 
 class LaneGroup:
     def __init__(self, lanes: list[Scheduler], policy: PhasePolicy | None = None) -> None:

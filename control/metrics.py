@@ -214,7 +214,7 @@ class _EngineState(Collector):
             for lane in lanes:
                 labels = [w, str(lane.lane)]
                 running.add_metric(labels, len(lane.running))
-                waiting.add_metric(labels, len(lane.waiting) + len(lane.skipped))
+                waiting.add_metric(labels, lane.num_waiting)
                 kv.add_metric(labels, lane.pool.num_used / lane.pool.num_blocks)
             totals = g.totals()
             queries.add_metric([w], totals.prefix_query_tokens)

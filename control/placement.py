@@ -24,7 +24,7 @@ class Candidate:
 
     @property
     def score(self) -> int:
-        return (len(self.lane.waiting) + len(self.lane.skipped)) * 4 + len(self.lane.running)
+        return self.lane.num_waiting * 4 + len(self.lane.running)
 
 
 def choose_lane(candidates: list[Candidate], request: Request) -> tuple[int, Scheduler]:

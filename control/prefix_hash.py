@@ -16,9 +16,20 @@ def extend_block_hashes(request: Request, block_size: int, num_tokens: int) -> l
     hashes = request.block_hashes
     full = num_tokens // block_size
     if len(hashes) < full:
-        tokens = request.all_token_ids
         parent = hashes[-1] if hashes else hash(("ttserve-prefix", request.cache_salt))
         for i in range(len(hashes), full):
-            parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+            parent = hash((parent, _tokens(request, i * block_size, (i + 1) * block_size)))
             hashes.append(parent)
     return hashes
+
+
+def _tokens(request: Request, start: int, end: int) -> tuple[int, ...]:
+    """request.all_token_ids[start:end] without copying the whole sequence (this runs for every
+    block that fills, in the step loop)."""
+    prompt = request.prompt_token_ids
+    if end <= len(prompt):
+        return tuple(prompt[start:end])
+    outputs = request.output_token_ids
+    if start >= len(prompt):
+        return tuple(outputs[start - len(prompt):end - len(prompt)])
+    return tuple(prompt[start:]) + tuple(outputs[:end - len(prompt)])

@@ -64,7 +64,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     client_id: int = 0
-    arrival_time: float = 0.0
     cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -78,8 +77,6 @@ class Request:
     lane: int = 0
     # Lane-local slot while RUNNING; the device row is lane * max_num_seqs + slot.
     slot: int | None = None
-    # True once the worker has this request's device state (NewRequest sent, not released).
-    on_device: bool = False
     # Index into output_token_ids up to which outputs have been sent to the client.
     num_sent_tokens: int = 0
     # Prompt tokens served from the prefix cache at first admission (reported to the client).
@@ -138,3 +135,7 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, error: str = "") -> None:
+        """Mark it finished; whoever held its slot and blocks has given them back."""
+        self.status, self.finish_reason, self.error = RequestStatus.FINISHED, reason, error

@@ -72,9 +72,12 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self.skipped.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.error = error
+        request.finish(reason, error)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, including ones waiting aside (a grammar compiling)."""
+        return len(self.waiting) + len(self.skipped)
 
     @property
     def has_work(self) -> bool:
@@ -258,7 +261,6 @@ class Scheduler:
         """Move an admitted request to running with its prefix-cache hits in place."""
         request.status = RequestStatus.RUNNING
         request.slot = heapq.heappop(self._free_slots)
-        request.on_device = True
         self.running.append(request)
         plan.new_requests.append(request)
         self.pool.take(hits)
@@ -334,12 +336,10 @@ class Scheduler:
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
         request.num_published_blocks = 0
-        if request.slot is not None:
+        if request.slot is not None:  # it has device state: the worker drops it with the next step
             heapq.heappush(self._free_slots, request.slot)
             request.slot = None
-        if request.on_device:
             self._released.append(request.request_id)
-            request.on_device = False
 
     # ---- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[str, int],

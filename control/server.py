@@ -77,7 +77,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                              backend=d.backend if d else "", mesh=d.device if d else "",
                              num_lanes=len(lanes), num_steps=group.num_steps,
                              num_running=sum(len(lane.running) for lane in lanes),
-                             num_waiting=sum(len(lane.waiting) + len(lane.skipped) for lane in lanes),
+                             num_waiting=sum(lane.num_waiting for lane in lanes),
                              kv_blocks_used=sum(lane.pool.num_used for lane in lanes),
                              kv_blocks_total=sum(lane.pool.num_blocks for lane in lanes),
                              stalled=group.stalled, state=group.state)

@@ -1,7 +1,6 @@
 """The one place the control plane converts between protobuf and its domain objects."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from ttserve.v1 import device_pb2, engine_pb2
@@ -35,7 +34,7 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
     unsupported = ["prompt_logprobs"] if s.HasField("prompt_logprobs") else []
     request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
                       sampling=sampling, client_id=client_id,
-                      arrival_time=add.arrival_time or time.time(), cache_salt=add.cache_salt,
+                      cache_salt=add.cache_salt,
                       grammar_spec=_grammar_spec(add))
     return request, unsupported
 
@@ -167,7 +166,6 @@ def _new_request_pb(request: Request, lane: int, max_num_seqs: int) -> device_pb
 class StepOutcome:
     step_id: int
     sampled: dict[str, int]
-    model_s: float
     total_s: float
     traced: bool
     sampled_on_device: bool
@@ -179,5 +177,5 @@ def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
     logprobs = {s.request_id: TokenLogprobs(list(s.logprob_token_ids), list(s.logprobs), s.rank)
                 for s in result.tokens if s.logprob_token_ids}
     return StepOutcome(step_id=result.step_id, sampled={s.request_id: s.token_id for s in result.tokens},
-                       model_s=t.model_s, total_s=t.total_s, traced=t.traced,
+                       total_s=t.total_s, traced=t.traced,
                        sampled_on_device=t.sampled_on_device, logprobs=logprobs)

@@ -47,6 +47,7 @@ class ServingLimits:
     architecture: str
     vocab_size: int
     max_model_len: int
+    block_size: int   # one for all: prefix hashes, placement and ModelInfo assume it
 
 
 @dataclass(slots=True)
@@ -86,7 +87,7 @@ class WorkerGroup:
         self.async_decode = False
         self.connected = False        # Describe answered and the link is open
         self.warmup_progress = 0.0    # 0-1, as the worker last reported it
-        self.stalled_since: float | None = None
+        self.stalled_since: float | None = None  # when the unanswered wait began, once stalled
         self._retired = LaneTotals()  # counts of lane groups torn down by reconnects
         self._wake = asyncio.Event()
 
@@ -102,7 +103,7 @@ class WorkerGroup:
     def state(self) -> str:
         if self.stalled_since is not None:
             return (f"stalled: a step has been in flight for "
-                    f"{time.monotonic() - self.stalled_since + self.config.stall_timeout_s:.0f} s")
+                    f"{time.monotonic() - self.stalled_since:.0f} s")
         return "serving" if self.ready else self.not_ready_reason
 
     def totals(self) -> LaneTotals:
@@ -241,7 +242,10 @@ class WorkerGroup:
                         # Nothing can run: only arrivals, aborts or grammars finishing change that.
                         await self._idle(ended)
                         continue
-                    pipelined = self.async_decode and plan.kind is StepKind.DECODE
+                    # A batch the host samples comes back at once: asking for a pipeline would
+                    # only cost an empty flush step.
+                    pipelined = (self.async_decode and plan.kind is StepKind.DECODE
+                                 and not plan.samples_on_host)
                     await self._send(link, plan, pipelined, in_flight)
                 newest, pipelined, _ = in_flight[-1]
                 if pipelined and len(in_flight) == 1:
@@ -272,13 +276,14 @@ class WorkerGroup:
         (logged, exported) and waited for: a long first compile or a wedged device look alike
         from here, and only the operator can tell which."""
         receive = asyncio.ensure_future(link.receive())
+        waiting_since = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait({receive}, timeout=self.config.stall_timeout_s)
                 if done:
                     break
                 if self.stalled_since is None:
-                    self.stalled_since = time.monotonic()
+                    self.stalled_since = waiting_since
                     self.metrics.stalls.labels(str(self.index)).inc()
                     lanes = self.group.lanes if self.group is not None else []
                     log.error("worker %s at %s stalled: no step result for %.0f s with %d request(s) "
@@ -289,7 +294,7 @@ class WorkerGroup:
         outcome = receive.result()
         if self.stalled_since is not None:
             log.warning("worker %s at %s recovered after a %.0f s stall", self.index, self.address,
-                        time.monotonic() - self.stalled_since + self.config.stall_timeout_s)
+                        time.monotonic() - self.stalled_since)
             self.stalled_since = None
         return outcome
 

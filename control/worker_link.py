@@ -7,8 +7,7 @@ from typing import Callable
 
 import grpc
 
-from ttserve.grpc_service import MESSAGE_LIMITS
-from ttserve.protocol import CALL_METADATA, check_peer_version
+from ttserve.protocol import CALL_METADATA, MESSAGE_LIMITS, check_peer_version
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
 from .lanes import GroupPlan

@@ -3,6 +3,9 @@ one control plane give exactly a 1-lane run's greedy outputs, whichever lane ser
 spreads across lanes and a request stays on its lane."""
 from __future__ import annotations
 
+import re
+import urllib.request
+
 from collections import Counter
 
 import pytest
@@ -78,7 +81,21 @@ def test_async_decode_with_device_sampling_matches_one_lane(tmp_path, smollm2, r
     try:
         results = run(stack.control_address, PROMPTS)
         log = stack.services[1].output()
+        # A request the host samples (logprobs) is never pipelined: no empty flush step per
+        # decode, no drain counted for it.
+        counts = lambda: {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(
+            r'ttserve_(steps|async_drains)_total\{[^}]*?(?:kind|reason)="(\w+)"[^}]*\} (\S+)',
+            urllib.request.urlopen(f"{stack.control_metrics_url}/metrics").read().decode())}
+        before = counts()
+        client = EngineClient(stack.control_address)
+        client.add("host-sampled", [1, 504, 3458, 282], 12, logprobs=1, ignore_eos=True)
+        assert len(client.collect({"host-sampled"})["host-sampled"].token_ids) == 12
+        client.close()
+        after = counts()
     finally:
         stack.stop()
     assert "async decode on" in log
     assert {rid: r.token_ids for rid, r in results.items()} == reference
+    grew = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
+    assert (grew[("steps", "prefill")], grew[("steps", "decode")]) == (1, 11), grew
+    assert not [key for key in grew if key[0] == "async_drains"], grew
