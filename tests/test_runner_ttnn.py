@@ -229,6 +229,25 @@ def test_a_pipelined_decode_pair_feeds_the_second_step_from_the_device(model_dir
     assert runner.finish(n2).tokens == {"seeded": expected("seeded", step3["seeded"], position["seeded"] + 2)}
 
 
+def test_a_stream_that_ends_with_a_decode_in_flight_leaves_the_next_stream_a_clean_device(
+        model_dir, monkeypatch):
+    runner, ttnn, _ = ttnn_runner(model_dir, monkeypatch, sample_on_device_mode="all")
+    position = {rid: len(ids) for rid, ids in PROMPTS.items()}
+    for stream in range(2):
+        last = prefill(runner).tokens
+        held = runner.launch(decode(runner, 2, last, position, async_readback=True))
+        runner.launch(StepBatch(3, "decode", async_readback=True, decode=[
+            DecodeItem(rid, 0, position[rid] + 1, [], use_previous_token=True) for rid in last]))
+        assert runner.finish(held).tokens  # the control plane went away with step 3 in flight
+        runner.reset()  # the next step stream
+        assert runner.device_api.backend.decodes_in_flight == 0
+    ttnn.recorder.calls.clear()
+    last = prefill(runner).tokens
+    runner.launch(decode(runner, 2, last, position, async_readback=True))
+    call = ttnn.recorder.only("model.decode_forward")[0]
+    assert (call["reset_batch"], call["inputs"]) == (True, "host")  # nothing of the old stream reused
+
+
 def test_a_carried_row_whose_step_is_still_in_flight_is_read_back_before_an_unsteady_launch(
         model_dir, monkeypatch):
     runner, ttnn, _ = ttnn_runner(model_dir, monkeypatch, sample_on_device_mode="all")
@@ -256,3 +275,15 @@ def test_without_traced_device_sampling_decode_is_not_pipelined(model_dir, monke
     launched = runner.launch(decode(runner, 2, last, {rid: len(ids) for rid, ids in PROMPTS.items()},
                                     async_readback=True))
     assert not launched.deferred
+
+
+def test_closing_the_runner_releases_the_model_then_closes_the_mesh(model_dir, monkeypatch):
+    runner, ttnn, _ = ttnn_runner(model_dir, monkeypatch, sample_on_device_mode="all")
+    last = prefill(runner).tokens
+    runner.launch(decode(runner, 2, last, {rid: len(ids) for rid, ids in PROMPTS.items()},
+                         async_readback=True))
+    ttnn.recorder.calls.clear()
+    runner.close()
+    backend = runner.device_api.backend
+    assert runner.model is None and backend.mesh is None and backend.decodes_in_flight == 0
+    assert "ttnn.close_mesh_device" in [name for name, _ in ttnn.recorder.calls]

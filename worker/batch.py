@@ -87,7 +87,6 @@ class StepResult:
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
     model_s: float = 0.0
-    sample_s: float = 0.0
     total_s: float = 0.0
     traced: bool = False
     sampled_on_device: bool = False

@@ -172,6 +172,9 @@ async def _serve(service, args: argparse.Namespace) -> int:
     endpoints = OpsEndpoints(service.metrics.registry,
                              health=lambda: (not service.draining, "the worker is shutting down"),
                              ready=lambda: (service.ready, service.not_ready_reason))
-    ok = await run_service(serve(service, args.host, args.port), (args.host, args.metrics_port),
-                           endpoints, "worker", lambda: service.drain(args.shutdown_timeout))
+    try:
+        ok = await run_service(serve(service, args.host, args.port), (args.host, args.metrics_port),
+                               endpoints, "worker", lambda: service.drain(args.shutdown_timeout))
+    finally:
+        service.runner.close()  # the model and its traces first, then the mesh and its fabric
     return 0 if ok else 1

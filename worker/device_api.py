@@ -26,7 +26,7 @@ import torch
 from .batch import ServingConfig
 from .sampling import SamplingBatch
 
-Progress = Callable[[str, int, int, str], None]
+Progress = Callable[[str, int, int, str], None]  # phase, completed, total, detail
 
 
 @dataclass(slots=True)
@@ -92,6 +92,9 @@ class TorchDevice:
 
     def device_tokens(self, pending: PendingDecode) -> torch.Tensor:
         return getattr(pending.device_out, "tokens", pending.device_out).reshape(-1)
+
+    def reset(self) -> None:
+        pass  # nothing of a decode outlives its readback
 
     def close(self) -> None:
         pass
@@ -214,6 +217,10 @@ class TtnnDevice:
     def device_tokens(self, pending: Any) -> ResidentTokens:
         assert self._keeps_inputs, "this model cannot take its decode tokens from the device"
         return ResidentTokens(pending)
+
+    def reset(self) -> None:
+        """The next decode reloads its inputs from the host (a new step stream's rows)."""
+        self._next_positions = self._active = None
 
     def close(self) -> None:
         self.backend.close()

@@ -17,13 +17,11 @@ import torch
 
 from .batch import (DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult,
                     TokenLogprobs)
-from .device_api import TorchDevice
+from .device_api import Progress, TorchDevice
 from .options import async_decode_allowed, device_sampling, trace_flags
 from .sampling import SamplingBatch, gather_logprobs, sample
 
 log = logging.getLogger(__name__)
-
-Progress = Callable[[str, int, int, str], None]  # phase, completed, total, detail
 
 
 class StepError(RuntimeError):
@@ -33,7 +31,6 @@ class StepError(RuntimeError):
 @dataclass(slots=True)
 class RequestState:
     row: int
-    lane: int
     temperature: float
     top_p: float
     top_k: int
@@ -66,7 +63,7 @@ class Launched:
     """A step started on the device; `readback` is set while a decode's result is still there."""
     result: StepResult
     started: float
-    readback: tuple | None = None   # (host output, read events, decode items)
+    readback: tuple | None = None   # (the device API's pending decode, decode items)
 
     @property
     def deferred(self) -> bool:
@@ -127,6 +124,8 @@ class ModelRunner:
         self.model = None
         self.kv_cache = None
         self._requests: dict[str, RequestState] = {}
+        # Pipelined decodes launched and not yet finished (at most one in steady decode).
+        self._deferred: list[Launched] = []
         # The last decode's tokens by row, for the rows that carry them into the next step; while
         # that decode is pipelined, whatever device_api.device_tokens returned (it fills them in).
         self._previous_tokens: Any = torch.zeros(0, dtype=torch.long)
@@ -180,26 +179,28 @@ class ModelRunner:
                 raise ValueError(f"this worker is already serving {self.config}; refusing a second "
                                  f"configuration {config}: restart the worker to change it")
             return
+        # An impossible KV budget is refused before minutes of weight loading.
+        layout = self._kv_layout(config)
         progress("load", 0, 1, f"{self.architecture} from {self.model_path}")
         self.model = self.device_api.initialize(self.model_cls, self.model_path, self.hf_config, config)
         progress("load", 1, 1, "weights loaded")
-        self.layout = layout = self._kv_layout(config)
+        self.layout = layout
         progress("allocate", 0, 1, f"{layout.num_blocks_per_lane} blocks x {self.block_size} "
                  f"tokens per lane, {config.num_lanes} lane(s)")
         self.kv_cache = self.device_api.allocate_kv_cache(
             self.model, layout.num_blocks_per_lane, layout.num_kv_heads, self.block_size, layout.head_dim,
             layout.num_layers, config.num_lanes)
         progress("allocate", 1, 1, "KV cache allocated")
+        # Page-table width: what a max_model_len sequence needs, and never more blocks than a
+        # lane holds. Traces are captured at this width, and every step sends it.
+        width = min(-(-config.max_model_len // self.block_size), layout.num_blocks_per_lane)
         if self.options.warmup:
-            width = min(-(-config.max_model_len // self.block_size), layout.num_blocks_per_lane)
             self.device_api.warmup(self.model, self.kv_cache, config, width, progress)
         else:
             progress("compile", 0, 0, "warmup disabled (tt.enable_model_warmup=false)")
-        rows = config.num_lanes * config.max_num_seqs
-        max_blocks = -(-config.max_model_len // self.block_size)
         # Persistent page table, one row per device row; rows of released requests go stale but
         # are never read: decode reads only rows with a position, prefill only its own rows.
-        self._page_table = torch.zeros(rows, max_blocks, dtype=torch.int32)
+        self._page_table = torch.zeros(config.num_lanes * config.max_num_seqs, width, dtype=torch.int32)
         self.config = config
 
     @property
@@ -227,9 +228,24 @@ class ModelRunner:
 
     # ---- steps ---------------------------------------------------------------------------
     def reset(self) -> None:
-        """A new step stream starts with no request state."""
+        """A new step stream starts with no request state and nothing on the device: a
+        pipelined decode the last stream left behind (it ended while one was held) is read
+        back and dropped, so the device API's count of decodes in flight starts at zero."""
+        for launched in self._deferred[:]:
+            try:
+                self.finish(launched)
+            except Exception:
+                log.exception("dropping a decode the previous step stream left in flight")
+        self._deferred.clear()
+        self.device_api.reset()
         self._requests.clear()
         self._previous_tokens = torch.zeros(0, dtype=torch.long)
+
+    def close(self) -> None:
+        """Release the model (and its traces) before the device closes."""
+        self.reset()
+        self.model = self.kv_cache = None
+        self.device_api.close()
 
     @property
     def async_decode(self) -> bool:
@@ -263,11 +279,11 @@ class ModelRunner:
         """Wait for a launched step's readback and return its result."""
         result = launched.result
         if launched.readback is not None:
+            self._deferred.remove(launched)
             pending, items = launched.readback
             out = self.device_api.finish_decode(self.model, pending)
             result.tokens = self._collect(items, out.reshape(-1).tolist())
         result.model_s = time.perf_counter() - launched.started
-        result.total_s = result.model_s
         return result
 
     def _add(self, new: NewRequest) -> None:
@@ -275,10 +291,10 @@ class ModelRunner:
         if new.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.seed)
+        # new.host is None unless some host option is set (wire.py drops inactive ones).
         self._requests[new.request_id] = RequestState(
-            new.row, new.lane, new.temperature, new.top_p, new.top_k, generator, new.seed, new.min_tokens,
-            new.min_tokens_blocked_ids, new.num_output_tokens,
-            host=new.host if new.host is not None and new.host.active else None)
+            new.row, new.temperature, new.top_p, new.top_k, generator, new.seed, new.min_tokens,
+            new.min_tokens_blocked_ids, new.num_output_tokens, host=new.host)
 
     def _state(self, request_id: str, new_block_ids: list[int]) -> RequestState:
         state = self._requests.get(request_id)
@@ -367,6 +383,7 @@ class ModelRunner:
             # that step's carried rows take these tokens from the device (device_api decides how).
             self._previous_tokens = self.device_api.device_tokens(pending)
             launched.readback = (pending, items)
+            self._deferred.append(launched)
             return
         out = self.device_api.finish_decode(self.model, pending)
         row_logprobs: list[TokenLogprobs | None] = []

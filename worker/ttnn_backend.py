@@ -43,6 +43,7 @@ those of ttnn 0.81.1. Nothing here imports torch or other ttserve modules than m
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -67,6 +68,8 @@ PROBE_TIMEOUT_S = 60.0            # a Galaxy's cluster discovery takes seconds, 
 MAX_DECODES_IN_FLIGHT = 2
 GALAXY_CLUSTERS = ("GALAXY", "TG", "BLACKHOLE_GALAXY")
 
+# device_api.Progress's shape; restated because this module stays importable without torch
+# (a ttnn-only environment runs its start-up checks).
 Progress = Callable[[str, int, int, str], None]  # phase, completed, total, detail
 
 
@@ -333,7 +336,6 @@ class PendingDecode:
     host_out: Any          # host tensors being filled by the non-blocking readback
     events: list[Any]      # ttnn events to synchronize before host_out is complete
     is_tokens: bool        # sampled on the device (token ids), else logits
-    launched_at: float
     result: Any = None     # the host result once read back (see TtnnBackend.read_back)
     read: bool = False
 
@@ -443,7 +445,7 @@ class TtnnBackend:
         """Whether `model` can run a decode on the inputs the previous one left on the device:
         only a traced decode keeps them (an untraced one uploads the host tensors every step),
         and only a `decode_forward` that takes `reset_batch` can be told when they are stale."""
-        return self.trace.decode and _takes_keyword(model.decode_forward, "reset_batch")
+        return self.trace.decode and _takes_reset_batch(type(model))
 
     def decode(self, model: Any, *, sampling_params: Any = None, reset_batch: bool | None = None,
                **kwargs: Any) -> Any:
@@ -469,7 +471,7 @@ class TtnnBackend:
                                        enable_trace=self.trace.decode, read_from_device=False)
             host_out, events = model.read_decode_output(out, async_read=True)
         self._in_flight += 1
-        return PendingDecode(host_out, list(events), sampling_params is not None, time.perf_counter())
+        return PendingDecode(host_out, list(events), sampling_params is not None)
 
     def read_back(self, model: Any, pending: PendingDecode) -> Any:
         """Waits for `pending`'s readback and returns its host result. Idempotent: a decode read
@@ -505,12 +507,18 @@ def host_output(out: Any) -> Any:
 def _reset(model: Any, reset_batch: bool | None) -> dict[str, bool]:
     if reset_batch is None:
         return {}
-    if not _takes_keyword(model.decode_forward, "reset_batch"):
+    if not _takes_reset_batch(type(model)):
         if reset_batch:
             log.debug("%s.decode_forward takes no reset_batch; its inputs reload on their own",
                       type(model).__name__)
         return {}
     return {"reset_batch": reset_batch}
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_reset_batch(model_cls: type) -> bool:
+    """Asked every decode step: inspect.signature costs tens of µs, so once per model class."""
+    return _takes_keyword(model_cls.decode_forward, "reset_batch")
 
 
 def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:

@@ -52,7 +52,7 @@ def result_to_pb(r: StepResult) -> device_pb2.StepResult:
     return device_pb2.StepResult(
         step_id=r.step_id,
         tokens=[_sampled_pb(rid, t, r) for rid, t in r.tokens.items()],
-        timings=device_pb2.StepTimings(model_s=r.model_s, sample_s=r.sample_s, total_s=r.total_s,
+        timings=device_pb2.StepTimings(model_s=r.model_s, total_s=r.total_s,
                                        traced=r.traced, sampled_on_device=r.sampled_on_device))
 
 
