@@ -14,7 +14,7 @@ from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
 from .metrics import WorkerMetrics
-from .runner import ModelRunner
+from .runner import Launched, ModelRunner
 from .wire import batch_from_pb, config_from_pb, config_to_pb, result_to_pb
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,9 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         loop = asyncio.get_running_loop()
         async with self._stream_lock:
             self.runner.reset()
-            held = None  # a pipelined decode, finished once the next batch is launched
+            # A pipelined decode and when its batch arrived; finished once the next is launched
+            # (one the stream ends with stays for the runner's next reset).
+            held: tuple[Launched, float] | None = None
             async for pb in batches:
                 received = time.perf_counter()
                 batch = batch_from_pb(pb)
@@ -163,12 +165,13 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 try:
                     launched = await asyncio.to_thread(self.runner.launch, batch)
                     if held is not None:
-                        earlier = await asyncio.to_thread(self.runner.finish, held)
+                        earlier = await asyncio.to_thread(self.runner.finish, held[0])
+                        earlier.total_s = time.perf_counter() - held[1]
                         self.metrics.step("decode", earlier)
                         yield result_to_pb(earlier)
                         held = None
                     if launched.deferred:
-                        held = launched
+                        held = (launched, received)
                         continue
                     result = await asyncio.to_thread(self.runner.finish, launched)
                 except Exception as e:  # the stream ends; the control plane fails these requests
