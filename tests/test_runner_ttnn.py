@@ -105,7 +105,7 @@ def test_warmup_builds_the_model_on_the_mesh_then_compiles_before_capturing(mode
     steps = 2 + len(captured)
     assert [(p, d, t) for p, d, t, _ in progress] == (
         [("load", 0, 1), ("load", 1, 1), ("allocate", 0, 1), ("allocate", 1, 1)]
-        + [("warmup", i, steps) for i in range(steps + 1)])
+        + [("compile", i, steps) for i in range(3)] + [("capture", i, steps) for i in range(3, steps + 1)])
     assert progress[4][3] == "compile prefill"
 
 
@@ -287,3 +287,9 @@ def test_closing_the_runner_releases_the_model_then_closes_the_mesh(model_dir, m
     backend = runner.device_api.backend
     assert runner.model is None and backend.mesh is None and backend.decodes_in_flight == 0
     assert "ttnn.close_mesh_device" in [name for name, _ in ttnn.recorder.calls]
+
+
+def test_warmup_can_be_turned_off(model_dir, monkeypatch):
+    runner, ttnn, progress = ttnn_runner(model_dir, monkeypatch, enable_model_warmup=False)
+    assert not ttnn.recorder.only("model.warmup_model_prefill") + ttnn.recorder.only("model.warmup_model_decode")
+    assert progress[-1][:3] == ("compile", 0, 0) and runner.config is not None  # ready all the same

@@ -225,14 +225,9 @@ def test_warmup_reports_progress_to_the_end():
     seen = []
     backend.warmup(model_cls(backend.mesh, 32), "kv", max_batch_size=32, num_blocks=8,
                    progress=lambda *event: seen.append(event))
-    assert [(phase, done, total) for phase, done, total, _ in seen] == [("warmup", i, 4) for i in range(5)]
-    assert seen[0][3] == "compile prefill" and seen[-1][3].startswith("done in")
-
-
-def test_warmup_can_be_turned_off():
-    backend, ttnn, model_cls = opened_backend(enable_model_warmup=False)
-    backend.warmup(model_cls(backend.mesh, 32), "kv", max_batch_size=32, num_blocks=8)
-    assert warmup_calls(ttnn.recorder) == []
+    assert [(phase, done, total) for phase, done, total, _ in seen] == (
+        [("compile", 0, 4), ("compile", 1, 4), ("compile", 2, 4), ("capture", 3, 4), ("capture", 4, 4)])
+    assert seen[0][3] == "compile prefill" and "warm in" in seen[-1][3]
 
 
 def test_a_too_small_trace_region_is_reported_with_the_size_needed():
@@ -622,5 +617,8 @@ def test_real_ttnn_on_a_chipless_host_refuses_fast_and_clearly():
                 "the cluster); use --backend torch or sim")
     for key in ("require", "open_n150", "open_t3k", "open_axis"):
         assert result[key]["error"] == "TtnnUnavailable" and result[key]["message"] == expected, key
+    # Fast: no call waited for the probe's child process to time out (its reason would say "did
+    # not answer within"); the bound is loose, for a loaded machine, yet far below the timeout.
     for key in ("probe", "probe_ttnn", "require", "open_n150", "open_t3k", "open_axis"):
-        assert result[key]["seconds"] < 10, (key, result[key])
+        assert "did not answer within" not in json.dumps(result[key]), (key, result[key])
+        assert result[key]["seconds"] < ttnn_backend.PROBE_TIMEOUT_S / 2, (key, result[key])

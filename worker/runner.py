@@ -197,6 +197,9 @@ class ModelRunner:
         if self.options.warmup:
             self.device_api.warmup(self.model, self.kv_cache, config, width, progress)
         else:
+            log.warning("tt.enable_model_warmup is false: the first requests compile%s",
+                        " and capture traces while serving" if self.options.traced("decode")
+                        or self.options.traced("prefill") else "")
             progress("compile", 0, 0, "warmup disabled (tt.enable_model_warmup=false)")
         # Persistent page table, one row per device row; rows of released requests go stale but
         # are never read: decode reads only rows with a position, prefill only its own rows.

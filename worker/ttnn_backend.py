@@ -411,10 +411,6 @@ class TtnnBackend:
         (min(ceil(max_model_len / block_size), blocks in the KV cache)).
         """
         report = progress or (lambda *_: None)
-        if not self.options.get("enable_model_warmup", True):
-            log.warning("tt.enable_model_warmup is false: the first requests compile%s",
-                        " and capture traces while serving" if self.trace.any else "")
-            return
         prefill = {"kv_cache": kv_cache, "can_sample_on_device": device_sampling(self.options, "prefill")}
         decode = {"kv_cache": kv_cache, "max_batch_size": max_batch_size, "num_blocks": num_blocks,
                   "can_sample_on_device": device_sampling(self.options, "decode")}
@@ -422,8 +418,10 @@ class TtnnBackend:
         steps += [("capture", "prefill", True)] if self.trace.prefill else []
         steps += [("capture", "decode", True)] if self.trace.decode else []
         started = time.perf_counter()
-        for done, (phase, kind, enable_trace) in enumerate(steps):
-            report("warmup", done, len(steps), f"{phase} {kind}")
+        # Each shape is reported once done, under its phase (compile, capture): the worker's
+        # metrics count shapes by phase.
+        report("compile", 0, len(steps), "compile prefill")
+        for done, (phase, kind, enable_trace) in enumerate(steps, start=1):
             if phase == "capture" and kind == "prefill" and hasattr(model, "already_warmed_up_prefill"):
                 # tt-metal's Generator runs its prefill warmup once; the capture pass must run again.
                 model.already_warmed_up_prefill = False
@@ -432,7 +430,8 @@ class TtnnBackend:
             with _device_errors(f"warmup ({phase} {kind})"):
                 _call_accepting(method, f"{type(model).__name__}.warmup_model_{kind}", kwargs,
                                 {"enable_trace"})
-        report("warmup", len(steps), len(steps), f"done in {time.perf_counter() - started:.1f} s")
+            report(phase, done, len(steps), f"{phase} {kind} done" if done < len(steps)
+                   else f"{phase} {kind} done; warm in {time.perf_counter() - started:.1f} s")
 
     # ---- steps ----
     def prefill(self, model: Any, **kwargs: Any) -> Any:
