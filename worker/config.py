@@ -43,17 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="step-time profile of --backend sim (see ttserve.worker.sim.PROFILES)")
 
 
-def choose_backend(requested: str) -> tuple[str, str]:
-    """The backend to run and why. Asking for ttnn on a host without chips fails within
-    seconds with one line; `auto` falls back to torch and says why."""
+def choose_backend(requested: str):
+    """The backend to run, why, and for ttnn the chips found (probed once: a child process
+    that discovers the cluster). Asking for ttnn on a host without chips fails within seconds
+    with one line; `auto` falls back to torch and says why."""
     if requested in ("torch", "sim"):
-        return requested, "requested"
-    from .ttnn_backend import probe, unavailable_message
+        return requested, "requested", None
+    from .ttnn_backend import probe_chips, require_chips
 
-    ok, reason = probe()
-    if requested == "ttnn" and not ok:
-        raise StartupError(unavailable_message(reason))
-    return ("ttnn", reason) if ok else ("torch", f"no ttnn device: {reason}")
+    if requested == "ttnn":
+        return "ttnn", "requested", require_chips()
+    found = probe_chips()
+    return ("ttnn", found.reason, found) if found.ok else ("torch", f"no ttnn device: {found.reason}", None)
 
 
 def build_service(args: argparse.Namespace):
@@ -75,7 +76,7 @@ def build_service(args: argparse.Namespace):
         options = parse_additional_config(args.additional_config, getattr(args, "additional_config_dotted", None))
         if args.block_size < 1 or args.kv_cache_memory_bytes < 1:
             raise StartupError("--block-size and --kv-cache-memory-bytes must be positive")
-        backend, why = choose_backend(args.backend)
+        backend, why, chips = choose_backend(args.backend)
         model_path = resolve_model(args.model)
         runner_config = ModelRunner.read_config(model_path)
         # The sim serves the checkpoint's config with the reference model's contract shape.
@@ -101,7 +102,7 @@ def build_service(args: argparse.Namespace):
             device_options = DeviceOptions(options, backend_traces=True,
                                            kv_tokens_per_lane=profile.kv_tokens_per_lane)
         elif backend == "ttnn":
-            device_api, device_name = _ttnn_device(options, model_cls, architecture)
+            device_api, device_name = _ttnn_device(options, model_cls, architecture, chips)
             device_options = DeviceOptions(options, backend_traces=True, kv_tokens_per_lane=TTNN_KV_TOKENS)
     except (OptionError, ModelPrepareError, RegistryError, MeshError, StartupError, RuntimeError) as e:
         raise StartupError(str(e)) from e
@@ -116,7 +117,7 @@ def build_service(args: argparse.Namespace):
 TTNN_KV_TOKENS = 131072
 
 
-def _ttnn_device(options: dict, model_cls: type, architecture: str):
+def _ttnn_device(options: dict, model_cls: type, architecture: str, chips):
     """The mesh from MESH_DEVICE / TT_VISIBLE_DEVICES, checked against the chips found, with
     the model's options checked before anything opens."""
     import os
@@ -124,9 +125,8 @@ def _ttnn_device(options: dict, model_cls: type, architecture: str):
     from .device_api import TtnnDevice
     from .mesh import mesh_from_env
     from .options import check_model_options
-    from .ttnn_backend import TtnnBackend, require_chips
+    from .ttnn_backend import TtnnBackend
 
-    chips = require_chips()
     spec = mesh_from_env(os.environ, chips.num_devices, arch=chips.arch, is_galaxy=chips.is_galaxy)
     for warning in check_model_options(options, getattr(model_cls, "model_capabilities", None) or {},
                                        architecture):
