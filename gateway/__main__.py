@@ -3,6 +3,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from ttserve.gateway.config import add_arguments, run
 
@@ -15,11 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-if __name__ == "__main__":
-    status = main()
+def exit_without_teardown(status: int) -> NoReturn:
+    """Flush logs and output, then exit skipping interpreter teardown: vLLM's imports (triton's
+    nanobind bindings) report dozens of "leaked" objects at exit, which is noise after a clean
+    shutdown."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: vLLM's imports (triton's nanobind bindings) report dozens of
-    # "leaked" objects at exit, which is noise after a clean shutdown.
     os._exit(status)
+
+
+if __name__ == "__main__":
+    exit_without_teardown(main())

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
+
+from ttserve.logs import setup_logging
 
 DEFAULT_CONTROL = "127.0.0.1:50051"
 
@@ -73,10 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start the gateway and serve until SIGINT/SIGTERM; returns the exit status."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if logging.getLogger("ttserve").level == logging.NOTSET:
-        logging.getLogger("ttserve").setLevel(logging.INFO)
+    setup_logging()  # a no-op under `ttserve gateway`, which has set it up already
     from ttserve.gateway.server import StartupError, serve
 
     try:

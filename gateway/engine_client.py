@@ -3,7 +3,8 @@
 `GrpcEngineCoreClient` is what `AsyncLLM` talks to instead of vLLM's ZMQ client of a local
 EngineCore process: one `Engine.Session` stream carries AddRequest/AbortRequests out and
 Admission/StepOutputs back. `GatewayLLM` is vLLM's `AsyncLLM` built on that client; everything
-else of vLLM's frontend (renderer, InputProcessor, OutputProcessor, stat loggers) is unchanged.
+else of vLLM's frontend (renderer, InputProcessor, OutputProcessor, the log-stats logger) is
+unchanged; vLLM's Prometheus stat logger is replaced by one that records nothing.
 
 Invariants:
 - Every request handed to `add_request_async` gets exactly one verdict: it returns once the
@@ -37,13 +38,14 @@ from vllm.tasks import SupportedTask  # noqa: E402
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.core_client import EngineCoreClient  # noqa: E402
+from vllm.v1.metrics.loggers import PrometheusStatLogger  # noqa: E402
 
 from ttserve.gateway import convert  # noqa: E402
 from ttserve.gateway.drain import Drain  # noqa: E402
 from ttserve.gateway.errors import (ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
-                                    RequestRefused, record_refusal, refusal_status)
-from ttserve.gateway.metrics import CONNECTED, REFUSED, SESSIONS_LOST  # noqa: E402
-from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version  # noqa: E402
+                                    RequestRefused, record_refusal)
+from ttserve.gateway.metrics import CONNECTED, SESSIONS_LOST  # noqa: E402
+from ttserve.protocol import CALL_METADATA, MESSAGE_LIMITS, ProtocolMismatch, check_peer_version  # noqa: E402
 from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("ttserve.gateway.engine_client")
@@ -56,9 +58,7 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
+) + MESSAGE_LIMITS
 
 
 @dataclass
@@ -96,7 +96,9 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self.target = target
         self.resources = _Resources()
         self.engine_ranks_managed = [0]
-        self.vllm_config: VllmConfig | None = None
+        # Set by GatewayLLM from vLLM's structured_outputs_config: how the control plane
+        # compiles grammars (to_add_request's defaults until then).
+        self.grammar_options: dict[str, bool] = {}
         # Set by GatewayLLM: drops a request from vLLM's OutputProcessor (refused or cancelled
         # before admission; vLLM does not clean those up for n=1).
         self.on_request_dropped: Callable[[str], None] = lambda request_id: None
@@ -188,10 +190,9 @@ class GrpcEngineCoreClient(EngineCoreClient):
             return False
         session.close()
         CONNECTED.set(0)
-        message = f"control plane at {self.target} is unreachable ({reason})"
         for future in self._verdicts.values():
             if not future.done():
-                future.set_exception(ControlPlaneUnavailable(message))
+                future.set_exception(ControlPlaneUnavailable(self.unreachable_message))
         self._verdicts.clear()
         lost = [rid for rid in self._tracks]
         self._tracks.clear()
@@ -259,10 +260,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
         session = self._session
         if session is None:
             raise self._refused(request_id, ControlPlaneUnavailable(self.unreachable_message))
-        config = self.vllm_config.structured_outputs_config if self.vllm_config is not None else None
-        message = engine_pb2.ClientMessage(add=convert.to_add_request(request) if config is None else
-                                           convert.to_add_request(request, config.disable_any_whitespace,
-                                                                  config.disable_additional_properties))
+        message = engine_pb2.ClientMessage(add=convert.to_add_request(request, **self.grammar_options))
         future: asyncio.Future[engine_pb2.Admission] = self._loop.create_future()
         self._verdicts[request_id] = future
         self._tracks[request_id] = convert.RequestTrack.of(request)
@@ -287,7 +285,6 @@ class GrpcEngineCoreClient(EngineCoreClient):
             admission.message or f"the control plane at {self.target} cannot take requests now"))
 
     def _refused(self, request_id: str, error: Exception) -> Exception:
-        REFUSED.labels(status=refusal_status(error)).inc()
         self.on_request_dropped(request_id)
         record_refusal(error)
         return error
@@ -337,6 +334,27 @@ class GrpcEngineCoreClient(EngineCoreClient):
         return False
 
 
+class _NoPrometheusStatLogger(PrometheusStatLogger):
+    """Records nothing. vLLM's StatLoggerManager adds its own PrometheusStatLogger unless it is
+    given one, and that one records the vllm:* metrics on every step, which the gateway never
+    exports (metrics.py). The log-stats lines come from LoggingStatLogger, which stays."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+        pass  # no metrics created
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def record_sleep_state(self, *args, **kwargs) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
 class GatewayLLM(AsyncLLM):
     """vLLM's AsyncLLM with its engine core replaced by a GrpcEngineCoreClient.
 
@@ -347,12 +365,18 @@ class GatewayLLM(AsyncLLM):
 
     def __init__(self, vllm_config: VllmConfig, core_client: GrpcEngineCoreClient, *,
                  log_stats: bool = True, log_requests: bool = False) -> None:
-        core_client.vllm_config = vllm_config
+        grammar = vllm_config.structured_outputs_config
+        core_client.grammar_options = dict(
+            disable_any_whitespace=grammar.disable_any_whitespace,
+            disable_additional_properties=grammar.disable_additional_properties)
         factory = EngineCoreClient.__dict__["make_async_mp_client"]
         EngineCoreClient.make_async_mp_client = staticmethod(lambda *a, **kw: core_client)
         try:
+            # Without log_stats there is no stat logger at all; a stat logger given then would
+            # turn stats on.
             super().__init__(vllm_config, executor_class=None, log_stats=log_stats,  # type: ignore[arg-type]
-                             log_requests=log_requests)
+                             log_requests=log_requests,
+                             stat_loggers=[_NoPrometheusStatLogger] if log_stats else None)
         finally:
             EngineCoreClient.make_async_mp_client = factory
         self.core_client = core_client
@@ -416,8 +440,7 @@ class GatewayLLM(AsyncLLM):
         elif not self.core_client.connected:
             error = ControlPlaneUnavailable(self.core_client.unreachable_message)
         if error is not None:
-            REFUSED.labels(status=refusal_status(error)).inc(n)
-            record_refusal(error)
+            record_refusal(error, n)
             raise error
         super().check_admission(n, request_id)
 

@@ -28,6 +28,8 @@ vllm_compat.prepare()
 
 from vllm.exceptions import GracefulHTTPError, VLLMValidationError  # noqa: E402
 
+from ttserve.gateway.metrics import REFUSED  # noqa: E402
+
 
 class RequestRefused(VLLMValidationError):
     """The control plane (or this gateway) refused the request as invalid: HTTP 400."""
@@ -64,7 +66,10 @@ _refusals: contextvars.ContextVar[list[Exception] | None] = contextvars.ContextV
     "ttserve_gateway_refusals", default=None)
 
 
-def record_refusal(error: Exception) -> None:
+def record_refusal(error: Exception, n: int = 1) -> None:
+    """Count `n` requests refused with `error` and record it for the HTTP request being served
+    (RefusalStatusMiddleware)."""
+    REFUSED.labels(status=refusal_status(error)).inc(n)
     refusals = _refusals.get()
     if refusals is not None:
         refusals.append(error)

@@ -1,12 +1,14 @@
 """The gateway's Prometheus metrics and how `/metrics` serves them.
 
 The gateway's `/metrics` serves a registry of its own (`REGISTRY`): the `ttserve_gateway_*`
-metrics below plus the standard process and Python collectors. vLLM's frontend keeps recording
-its `vllm:*` metrics into prometheus_client's default registry (its log-stats lines come from
-the same recorder), but they are not exported: Prometheus reserves `:` for recording rules and
-`promtool check metrics` refuses such names, and the control plane exports the `ttserve_*`
-equivalents measured where the work happens (docs/metrics.md). `install` replaces the `/metrics`
-routes vLLM's build_app added (an exact route and a `/metrics*` mount) with one of ours.
+metrics below plus the standard process and Python collectors. vLLM's `vllm:*` metrics are not
+exported: Prometheus reserves `:` for recording rules and `promtool check metrics` refuses such
+names, and the control plane exports the `ttserve_*` equivalents measured where the work happens
+(docs/metrics.md). So they are not recorded either: GatewayLLM replaces vLLM's Prometheus stat
+logger with one that records nothing (vLLM's log-stats lines come from its LoggingStatLogger, a
+separate one), and serve_vllm_app drops vLLM's HTTP instrumentation middleware, which
+RequestDurationMiddleware stands in for. `install` replaces the `/metrics` routes vLLM's
+build_app added (an exact route and a `/metrics*` mount) with one of ours.
 
 Importing this module is cheap (no vLLM).
 """

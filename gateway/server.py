@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shlex
 import socket
 import threading
@@ -21,7 +20,7 @@ from typing import NoReturn
 import grpc
 
 from ttserve.gateway.readiness import describe_workers
-from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version
+from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version, host_port
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ttserve.gateway")
@@ -140,7 +139,6 @@ def preload_vllm() -> None:
 
     Failures are left for the main thread's own imports to raise."""
     try:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the gateway reads local folders only
         from ttserve.gateway import vllm_compat
 
         vllm_compat.prepare()
@@ -204,7 +202,8 @@ def build_vllm_config(vllm_args: argparse.Namespace, model_info: engine_pb2.Mode
     cache = config.cache_config
     cache.block_size = model_info.block_size or cache.block_size
     cache.num_gpu_blocks = model_info.num_blocks or None
-    config.model_config.max_model_len = model_info.max_model_len
+    # The smaller of the two, as vLLM's handshake does: --vllm-args may set a lower one.
+    config.model_config.max_model_len = min(config.model_config.max_model_len, model_info.max_model_len)
     return config
 
 
@@ -218,7 +217,7 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise StartupError(f"cannot listen on {host_port(host, port)}: {e.strerror or e}") from None
     return sock
 
 
@@ -288,10 +287,28 @@ async def serve(args: argparse.Namespace) -> int:
 RESPONSES_FLUSH_S = 5
 
 
+def install_middleware(app) -> None:
+    """The gateway's middleware outermost on vLLM's app, and vLLM's HTTP instrumentation out: it
+    records into prometheus_client's default registry, which the gateway never exports, on every
+    request and streamed chunk, and RequestDurationMiddleware stands in for it."""
+    from prometheus_fastapi_instrumentator.middleware import PrometheusInstrumentatorMiddleware
+    from starlette.middleware import Middleware
+
+    from ttserve.gateway.errors import RefusalStatusMiddleware
+    from ttserve.gateway.metrics import RequestDurationMiddleware
+
+    app.user_middleware[:] = [m for m in app.user_middleware
+                              if m.cls is not PrometheusInstrumentatorMiddleware]
+    app.user_middleware.insert(0, Middleware(RefusalStatusMiddleware))
+    app.user_middleware.insert(0, Middleware(RequestDurationMiddleware))
+    # build_app has already built the middleware stack (SageMaker bootstrap), so
+    # add_middleware() is refused: rebuild it, as that bootstrap does.
+    app.middleware_stack = app.build_middleware_stack()
+
+
 async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace, vllm_config,
                          sock: socket.socket, started: float) -> None:
     """vLLM's OpenAI app on a GatewayLLM, served by vLLM's serve_http, until shutdown."""
-    from starlette.middleware import Middleware
     from vllm import envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -301,7 +318,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
 
     from ttserve.gateway import metrics, readiness
     from ttserve.gateway.engine_client import GatewayLLM, GrpcEngineCoreClient
-    from ttserve.gateway.errors import RefusalStatusMiddleware, quiet_refusal_tracebacks
+    from ttserve.gateway.errors import quiet_refusal_tracebacks
 
     target = args.control
     llm = None
@@ -309,7 +326,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         core_client = GrpcEngineCoreClient(target)
         llm = GatewayLLM(vllm_config, core_client, log_stats=not vllm_args.disable_log_stats,
                          log_requests=vllm_args.enable_log_requests)
-        if not await core_client.wait_connected(timeout=10):
+        if not await core_client.wait_connected(timeout=args.connect_timeout):
             log.warning("%s; serving anyway, requests get 503 until it is back",
                         core_client.unreachable_message)
         supported_tasks = await llm.get_supported_tasks()
@@ -318,11 +335,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         # Importing model_hosting_container_standards (SageMaker routes) sets the root logger to
         # ERROR; vLLM restores handler levels only, which silences every non-vLLM logger.
         logging.getLogger().setLevel(root_level)
-        # build_app has already built the middleware stack (SageMaker bootstrap), so
-        # add_middleware() is refused: insert ours outermost and rebuild, as that bootstrap does.
-        app.user_middleware.insert(0, Middleware(RefusalStatusMiddleware))
-        app.user_middleware.insert(0, Middleware(metrics.RequestDurationMiddleware))
-        app.middleware_stack = app.build_middleware_stack()
+        install_middleware(app)
         metrics.install(app)
         readiness.install(app, readiness.ReadinessProbe(core_client, llm.drain))
         await init_app_state(llm, app.state, vllm_args, supported_tasks)
@@ -332,11 +345,10 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         uvicorn_kwargs: dict = {"timeout_graceful_shutdown": RESPONSES_FLUSH_S}
         if (log_config := get_uvicorn_log_config(vllm_args)) is not None:
             uvicorn_kwargs["log_config"] = log_config
-        host = f"[{args.host}]" if ":" in args.host else args.host
         scheme = "https" if vllm_args.ssl_keyfile and vllm_args.ssl_certfile else "http"
-        log.info("serving %s on %s://%s:%d for the control plane at %s (vLLM %s frontend; "
-                 "started in %.1f s)", ", ".join(vllm_args.served_model_name), scheme, host,
-                 args.port, target, vllm_version, time.monotonic() - started)
+        log.info("serving %s on %s://%s for the control plane at %s (vLLM %s frontend; "
+                 "started in %.1f s)", ", ".join(vllm_args.served_model_name), scheme,
+                 host_port(args.host, args.port), target, vllm_version, time.monotonic() - started)
         shutdown_task = await serve_http(
             app, sock=sock, enable_ssl_refresh=vllm_args.enable_ssl_refresh,
             host=vllm_args.host, port=vllm_args.port, log_level=vllm_args.uvicorn_log_level,

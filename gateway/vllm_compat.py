@@ -15,6 +15,7 @@ Each function works around one observed problem. Every gateway module that impor
   host has no accelerator to protect, so the inspection runs in-process.
 - The gateway never loads weights or allocates KV cache: VLLM_CPU_KVCACHE_SPACE=0 keeps vLLM's CPU
   platform from sizing a cache (as vLLM's own render server does), and usage reporting is off.
+  It reads local model folders only, so the Hugging Face hub is offline (HF_HUB_OFFLINE=1).
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def hide_broken_torch_extensions() -> list[str]:
 
 
 def set_environment_defaults() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the gateway reads local folders only
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")

@@ -37,3 +37,10 @@ def test_each_service_gets_its_own_metrics_port_and_every_service_the_shutdown_t
     with pytest.raises(SystemExit):
         split_flags(["--metrics-port", "9500"])
     assert "--control-metrics-port" in capsys.readouterr().err
+
+
+def test_an_ipv6_host_is_bracketed_where_services_reach_each_other():
+    args, shares = split_flags(["--host", "::1", "--port", "9000"])
+    assert shares["control"][shares["control"].index("--worker") + 1] == "[::1]:50061"
+    assert shares["gateway"][-2:] == ["--control", "[::1]:50051"]
+    assert args.url == "http://[::1]:9000"

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from .logs import setup_logging
@@ -31,13 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "model":
         return _model(rest)
     if command == "gateway":
-        from ttserve.gateway.__main__ import main as gateway_main
-        import os
-        status = gateway_main(rest)
-        logging.shutdown()
-        os._exit(status)  # skip teardown noise from vLLM's imports (see gateway/__main__.py)
-    services = {"gateway": "ttserve.gateway.config", "control": "ttserve.control.config",
-                "worker": "ttserve.worker.config"}
+        from ttserve.gateway.__main__ import exit_without_teardown, main as gateway_main
+        exit_without_teardown(gateway_main(rest))
+    services = {"control": "ttserve.control.config", "worker": "ttserve.worker.config"}
     if command not in services:
         print(f"ttserve: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

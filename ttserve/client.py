@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from .protocol import CALL_METADATA
+from .protocol import CALL_METADATA, MESSAGE_LIMITS
 from .v1 import engine_pb2, engine_pb2_grpc
 
 
@@ -34,7 +34,7 @@ class Result:
 
 class EngineClient:
     def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=MESSAGE_LIMITS)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
         self._outgoing: queue.Queue = queue.Queue()
         self.incoming: queue.Queue = queue.Queue()
@@ -42,11 +42,15 @@ class EngineClient:
         threading.Thread(target=self._read, args=(stream,), daemon=True).start()
 
     def _read(self, stream) -> None:
+        # The stream's end is queued too, so that next() fails at once instead of waiting out
+        # its timeout on a session that is gone.
         try:
             for message in stream:
                 self.incoming.put(message)
-        except grpc.RpcError:
-            pass  # closed
+            ended = "the control plane ended the session"
+        except grpc.RpcError as e:
+            ended = f"the session with the control plane failed: {e.code().name}: {e.details()}"
+        self.incoming.put(ConnectionError(ended))
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, eos_token_ids=(2,),
             structured_output: engine_pb2.StructuredOutput | None = None, **sampling) -> None:
@@ -59,11 +63,16 @@ class EngineClient:
         self._outgoing.put(engine_pb2.ClientMessage(abort=engine_pb2.AbortRequests(request_ids=request_ids)))
 
     def next(self, timeout: float = 120) -> engine_pb2.ServerMessage:
-        return self.incoming.get(timeout=timeout)
+        """The next message; raises ConnectionError once the session has ended."""
+        message = self.incoming.get(timeout=timeout)
+        if isinstance(message, ConnectionError):
+            self.incoming.put(message)  # for the calls after this one
+            raise ConnectionError(*message.args)
+        return message
 
     def collect(self, request_ids: set[str], timeout: float = 600) -> dict[str, Result]:
-        """Outputs until every id has finished; raises Refused for a refused one. Messages for
-        other ids are dropped."""
+        """Outputs until every id has finished; raises Refused for a refused one and
+        ConnectionError if the session ends first. Messages for other ids are dropped."""
         results = {rid: Result() for rid in request_ids}
         unfinished = set(request_ids)
         while unfinished:

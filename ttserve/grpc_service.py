@@ -13,12 +13,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .ops_http import OpsEndpoints, start_ops_server
-from .protocol import ProtocolVersionInterceptor
+from .protocol import MESSAGE_LIMITS, ProtocolVersionInterceptor, host_port
 
 log = logging.getLogger(__name__)
-
-MESSAGE_LIMITS = [("grpc.max_receive_message_length", 64 << 20),
-                  ("grpc.max_send_message_length", 64 << 20)]
 
 
 class ListenError(OSError):
@@ -48,7 +45,7 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME),
                                         server)
-    address = f"{host}:{port}"
+    address = host_port(host, port)
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as e:

@@ -15,6 +15,14 @@ import grpc
 PROTOCOL_VERSION = 2
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
+# Every ttserve server and channel: a step's outputs or a long prompt can exceed gRPC's 4 MiB.
+MESSAGE_LIMITS: tuple[tuple[str, int], ...] = (("grpc.max_receive_message_length", 64 << 20),
+                                               ("grpc.max_send_message_length", 64 << 20))
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC targets and URLs write it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class ProtocolMismatch(RuntimeError):
@@ -52,7 +60,7 @@ class ProtocolVersionInterceptor(grpc.aio.ServerInterceptor):
         return _refusal(await continuation(details), message)
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
     async def refuse(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
 
@@ -60,6 +68,8 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
         yield  # pragma: no cover - makes this an async generator
 
+    if handler is None:  # a method this server lacks: refused all the same, its messages unread
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
     kwargs = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)
     if handler.unary_unary:

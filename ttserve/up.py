@@ -3,6 +3,9 @@
 Every flag goes to the services that declare it (`--max-num-seqs` to the control plane,
 `--backend` to the worker, `--api-key` to the gateway, `--host` to all); a flag no service
 declares is refused. `--port` is the gateway's; the internal gRPC ports have their own flags.
+
+Ctrl-C (SIGINT), SIGTERM or SIGHUP stops the services in reverse order, each draining first; a
+second signal cuts short the drain of the service being stopped.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+from ttserve.protocol import host_port
 
 log = logging.getLogger("ttserve.up")
 
@@ -27,18 +32,21 @@ def _service_parser(name: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _consumed(parser: argparse.ArgumentParser, tokens: list[str]) -> list[bool]:
-    """Which tokens the parser takes: the ones it does not return as unknown (an ordered
-    subsequence of `tokens`)."""
-    _, unknown = parser.parse_known_args(tokens)
+def _kept(tokens: list[str], rest: list[str]) -> list[bool]:
+    """Which of `tokens` remain in `rest`, an ordered subsequence of them."""
     mask, j = [], 0
     for token in tokens:
-        if j < len(unknown) and unknown[j] == token:
-            mask.append(False)
+        kept = j < len(rest) and rest[j] == token
+        mask.append(kept)
+        if kept:
             j += 1
-        else:
-            mask.append(True)
     return mask
+
+
+def _consumed(parser: argparse.ArgumentParser, tokens: list[str]) -> list[bool]:
+    """Which tokens the parser takes: the ones it does not return as unknown."""
+    _, unknown = parser.parse_known_args(tokens)
+    return [not kept for kept in _kept(tokens, unknown)]
 
 
 def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str]]]:
@@ -69,9 +77,10 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
     host = _host(shares["gateway"])
     shares["worker"] += dotted + ["--port", str(args.worker_port),
                                   "--metrics-port", str(args.worker_metrics_port)]
-    shares["control"] += ["--port", str(args.control_port), "--worker", f"{host}:{args.worker_port}",
+    shares["control"] += ["--port", str(args.control_port), "--worker", host_port(host, args.worker_port),
                           "--metrics-port", str(args.control_metrics_port)]
-    shares["gateway"] += ["--port", str(args.port), "--control", f"{host}:{args.control_port}"]
+    shares["gateway"] += ["--port", str(args.port), "--control", host_port(host, args.control_port)]
+    args.url = f"http://{host_port(host, args.port)}"  # the gateway, as up checks it
     return args, shares
 
 
@@ -80,13 +89,7 @@ def _take_dotted(tokens: list[str]) -> tuple[list[str], list[str]]:
     from ttserve.worker.options import split_additional_config
 
     rest, _ = split_additional_config(tokens)
-    j, dotted = 0, []
-    for token in tokens:  # rest is an ordered subsequence of tokens
-        if j < len(rest) and rest[j] == token:
-            j += 1
-        else:
-            dotted.append(token)
-    return rest, dotted
+    return rest, [t for t, kept in zip(tokens, _kept(tokens, rest)) if not kept]
 
 
 def _without_flag(tokens: list[str], flag: str) -> list[str]:
@@ -109,27 +112,37 @@ def _host(tokens: list[str]) -> str:
 def up(argv: list[str]) -> int:
     args, shares = split_flags(argv)
     procs: dict[str, subprocess.Popen] = {}
-    stopping = False
+    stop_requested = False
+    stopping: subprocess.Popen | None = None  # the service being stopped now
 
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
+    def on_signal(*_: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        # A signal while up stops a service (a second Ctrl-C) reaches it as its own second
+        # signal: it aborts what it still holds instead of waiting out its --shutdown-timeout.
+        if stopping is not None and stopping.poll() is None:
+            stopping.terminate()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     try:
         for name in SERVICES:
-            procs[name] = subprocess.Popen([sys.executable, "-m", f"ttserve.{name}", *shares[name]])
-        url = f"http://{_host(shares['gateway'])}:{args.port}"
+            # A session of their own, out of the terminal's process group: Ctrl-C (or a hang-up)
+            # reaches up alone, which stops the services one at a time in reverse order, the
+            # gateway draining first. In the terminal's group each would get the signal at once,
+            # and up's SIGTERM would be the gateway's second signal, which aborts its streams.
+            # (start_new_session rather than 3.11's process_group=0: workers run Python 3.10.)
+            procs[name] = subprocess.Popen([sys.executable, "-m", f"ttserve.{name}", *shares[name]],
+                                           start_new_session=True)
         deadline, announced = time.monotonic() + args.ready_timeout, False
-        while not stopping:
+        while not stop_requested:
             for name, proc in procs.items():
                 if proc.poll() is not None:
                     log.error("%s exited with code %d; stopping the stack", name, proc.returncode)
                     return proc.returncode or 1
             if not announced:
-                if _serving(url):
-                    log.info("ttserve is serving at %s/v1 (Ctrl-C stops it)", url)
+                if _serving(args.url):
+                    log.info("ttserve is serving at %s/v1 (Ctrl-C stops it)", args.url)
                     announced = True
                 elif time.monotonic() > deadline:
                     log.error("the stack did not serve within %.0f s", args.ready_timeout)
@@ -140,6 +153,7 @@ def up(argv: list[str]) -> int:
         for name in reversed(SERVICES):
             proc = procs.get(name)
             if proc is not None and proc.poll() is None:
+                stopping = proc
                 proc.terminate()
                 try:
                     # Each service drains first (up to its --shutdown-timeout, 30 s by default).

@@ -1,0 +1,78 @@
+"""`ttserve up` stopped from a terminal: Ctrl-C lets the gateway's streams finish, and a second
+Ctrl-C cuts that drain short."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import openai
+import pytest
+
+from stack import free_port, http_ok, wait_until
+
+pytestmark = pytest.mark.e2e
+
+# The simulated T3K's step time (~63 ms a token, no arithmetic) makes a stream's length in time
+# independent of how busy the host is: 60 tokens take ~4 s, 1000 over a minute.
+SIM_WORKER = ("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b")
+SHORT_TOKENS, LONG_TOKENS = 60, 1000
+
+
+def start_stream(url: str, model: str, max_tokens: int):
+    """A streamed completion of exactly `max_tokens` unless cut short, its first chunk read."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    chunks = iter(client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, timeout=120))
+    first = next(chunks)
+    assert first.choices and first.choices[0].finish_reason is None
+    return chunks
+
+
+def finish(chunks, timeout: float = 60) -> tuple[list[str], int]:
+    """The rest of a stream: its finish reasons and its completion token count."""
+    rest: list = []
+    # Read on a thread so that a stream left hanging fails the test instead of blocking it.
+    reader = threading.Thread(target=lambda: rest.extend(chunks), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert not reader.is_alive(), "the stream was left hanging"
+    reasons = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+    usage = [c.usage for c in rest if c.usage]
+    return reasons, usage[-1].completion_tokens if usage else 0
+
+
+def test_ctrl_c_drains_the_streams_in_flight_and_a_second_one_aborts_the_rest(tmp_path, smollm2):
+    ports = [free_port() for _ in range(5)]
+    url = f"http://127.0.0.1:{ports[0]}"
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        # A process group of its own, as a shell gives a foreground job: killpg then signals what
+        # a terminal's Ctrl-C signals.
+        proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
+                                 "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
+                                 "--control-metrics-port", str(ports[3]),
+                                 "--worker-metrics-port", str(ports[4]), "--model", str(smollm2),
+                                 *SIM_WORKER], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: http_ok(f"{url}/health"), 300, "ttserve up")
+        short = start_stream(url, smollm2.name, SHORT_TOKENS)
+        long = start_stream(url, smollm2.name, LONG_TOKENS)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert finish(short) == (["length"], SHORT_TOKENS), log_path.read_text()[-4000:]
+        assert proc.poll() is None  # still draining the long stream
+        os.killpg(proc.pid, signal.SIGINT)
+        reasons, tokens = finish(long)
+        assert reasons == ["abort"] and tokens < LONG_TOKENS, log_path.read_text()[-4000:]
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-4000:]
+        assert "Traceback" not in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # up stops its services, which are out of its process group
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()

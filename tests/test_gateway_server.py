@@ -1,0 +1,63 @@
+"""Gateway start-up pieces on vLLM's own objects, without a control plane: the config's limits,
+the stat loggers and the middleware of vLLM's app."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import REGISTRY
+
+from ttserve.v1 import engine_pb2
+
+MODEL_INFO = engine_pb2.ModelInfo(max_model_len=2048, block_size=32, num_blocks=128)
+
+
+def vllm_config_for(model: str, *flags: str):
+    from ttserve.gateway.server import build_vllm_config, parse_vllm_args
+    return build_vllm_config(parse_vllm_args(["--model", model, *flags]), MODEL_INFO)
+
+
+@pytest.mark.parametrize("flag, expected", [("1024", 1024), ("4096", 2048)])
+def test_max_model_len_is_the_smaller_of_the_users_and_the_control_planes(smollm2, flag, expected):
+    config = vllm_config_for(str(smollm2), "--max-model-len", flag)
+    assert config.model_config.max_model_len == expected
+
+
+def test_vllm_records_no_prometheus_metrics_but_keeps_its_log_stats(smollm2):
+    from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+    from vllm.v1.metrics.stats import IterationStats
+
+    from ttserve.gateway.engine_client import GatewayLLM, GrpcEngineCoreClient
+
+    config = vllm_config_for(str(smollm2))
+
+    async def stat_loggers():
+        llm = GatewayLLM(config, GrpcEngineCoreClient("127.0.0.1:1"))  # never reached
+        try:
+            stats = IterationStats()
+            stats.num_generation_tokens = 5  # what one step of a request reports
+            llm.logger_manager.record(scheduler_stats=None, iteration_stats=stats)
+            return llm.logger_manager.stat_loggers
+        finally:
+            llm.shutdown()
+
+    loggers = asyncio.run(stat_loggers())
+    prometheus = [s for s in loggers if isinstance(s, PrometheusStatLogger)]
+    assert prometheus and all(not vars(s) for s in prometheus)  # only the one that holds nothing
+    assert any(isinstance(per_engine, LoggingStatLogger) for s in loggers
+               for per_engine in getattr(s, "per_engine_stat_loggers", {}).values())
+    assert not [m.name for m in REGISTRY.collect() if m.name.startswith("vllm:")]  # none recorded
+
+
+def test_vllm_http_instrumentation_is_dropped_and_ours_is_outermost():
+    from fastapi import FastAPI
+    from prometheus_fastapi_instrumentator import Instrumentator
+
+    from ttserve.gateway.errors import RefusalStatusMiddleware
+    from ttserve.gateway.metrics import RequestDurationMiddleware
+    from ttserve.gateway.server import install_middleware
+
+    app = FastAPI()
+    Instrumentator().instrument(app)  # as vLLM's build_app does
+    install_middleware(app)
+    assert [m.cls for m in app.user_middleware] == [RequestDurationMiddleware, RefusalStatusMiddleware]
