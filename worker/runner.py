@@ -7,6 +7,7 @@ tensors for the life of the process.
 from __future__ import annotations
 
 import json
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -167,7 +168,7 @@ class ModelRunner:
         rope = self.hf_config.get("rope_scaling") or self.hf_config.get("rope_parameters") or {}
         return "mrope_section" in rope or rope.get("type") == "mrope" or rope.get("rope_type") == "mrope"
 
-    @property
+    @functools.cached_property
     def capabilities(self) -> dict[str, bool]:
         # tt-metal's classes may not declare any (as vLLM's plugin allows): then none.
         return dict(getattr(self.model_cls, "model_capabilities", None) or {})
