@@ -231,13 +231,20 @@ class Scheduler:
     def _fill_prefill(self, plan: StepPlan) -> None:
         budget = self.config.max_num_batched_tokens
         rows = self.config.max_prefill_batch or self.config.max_num_seqs
+        preemptions, blocked = self.num_preemptions, False
         for request in list(self.running):  # partial prefills first: they hold blocks already
             if budget <= 0 or rows <= 0:
                 return
             if request.status is RequestStatus.RUNNING and request.is_prefilling:
                 scheduled = self._continue_chunk(plan, request, budget)
+                blocked |= scheduled == 0
                 budget -= scheduled
                 rows -= scheduled > 0
+        if blocked or self.num_preemptions != preemptions:
+            # KV is short: a newcomer would take the blocks just freed for a running prefill
+            # (and a victim re-admitted at once would recompute every step). As vLLM's V1
+            # scheduler, admit nothing until the running prefills move again.
+            return
         while budget > 0 and rows > 0 and self.waiting and self._free_slots:
             request = self.waiting[0]
             if not request.ready:

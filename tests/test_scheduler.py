@@ -485,3 +485,19 @@ def test_host_options_in_range_are_admitted_and_zero_repetition_penalty_is_off()
     assert request.sampling.repetition_penalty == 1.0 and request.sampling.bad_words == ((1, 2),)
     assert request.sampling.needs_host_sampler
     assert not request_from_pb(add_pb(), 1)[0].sampling.needs_host_sampler
+
+
+def test_while_a_running_prefill_waits_for_blocks_no_newcomer_takes_them():
+    # 10 blocks: P's 36-token prompt fills most of them while D1 decodes. Admitting D2 in the
+    # step that had to preempt for P would hand D2 the freed blocks and preempt it again.
+    s = scheduler(num_blocks=10, block_size=4, budget=16, max_model_len=40)
+    requests = [make("D1", 11, max_tokens=4), make("P", 36, max_tokens=4), make("D2", 7, max_tokens=10)]
+    for request in requests:
+        s.add(request)
+    for _ in range(100):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert [(r.finish_reason, len(r.output_token_ids)) for r in requests] == [
+        (FinishReason.LENGTH, 4), (FinishReason.LENGTH, 4), (FinishReason.LENGTH, 10)]
+    assert s.num_preemptions == 0
