@@ -2,19 +2,71 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import pytest
 
 from ttserve.protocol import CALL_METADATA
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
+
+
+# The default --shutdown-timeout of every service (docs/metrics.md, "Graceful drain"). A drain cut
+# short by a smaller --shutdown-timeout must end well before it.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+# CI sets TTSERVE_REQUIRE_OPS_TOOLS=1: a missing ops tool (promtool, prometheus, systemd-analyze,
+# docker-compose) then fails the test that needs it instead of skipping it.
+REQUIRE_OPS_TOOLS = os.environ.get("TTSERVE_REQUIRE_OPS_TOOLS") == "1"
+OPS_TOOLS_HINT = "apt-get install prometheus docker-compose systemd"
+
+
+def require_tool(name: str) -> str:
+    """The tool's path; skips (or, with TTSERVE_REQUIRE_OPS_TOOLS=1, fails) when it is missing."""
+    path = shutil.which(name)
+    if path:
+        return path
+    message = f"{name} is not installed ({OPS_TOOLS_HINT})"
+    if REQUIRE_OPS_TOOLS:
+        pytest.fail(f"{message}; TTSERVE_REQUIRE_OPS_TOOLS=1 requires it")
+    pytest.skip(message)
+
+
+def get(url: str, timeout: float = 10) -> tuple[int, str]:
+    """HTTP GET: the status and the body, for error statuses too."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def sample(metrics_text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in Prometheus text format (labels matched as a subset); None
+    when no sample matches."""
+    for line in metrics_text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(3) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(4))
+    return None
+
+
+def metric(url: str, name: str, **labels: str) -> float | None:
+    """One sample of the /metrics that the server at `url` serves."""
+    return sample(get(f"{url}/metrics")[1], name, **labels)
 
 
 def free_port() -> int:

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
-import shutil
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 
-from stack import Service, free_port, start_stack, wait_until
+from stack import (DEFAULT_SHUTDOWN_TIMEOUT_S, Service, free_port, get, metric, require_tool, sample,
+                   start_stack, wait_until)
 from ttserve.client import EngineClient, Refused
 from ttserve.protocol import CALL_METADATA
 from ttserve.v1 import engine_pb2
@@ -27,39 +23,8 @@ from ttserve.v1 import engine_pb2
 pytestmark = pytest.mark.e2e
 
 FINISH = engine_pb2.FinishReason
-
-
-def need_tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("TTSERVE_REQUIRE_OPS_TOOLS") == "1":
-            pytest.fail(f"{name} is missing: apt-get install prometheus docker-compose systemd")
-        pytest.skip(f"{name} is not installed (Debian package prometheus)")
-    return path
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def sample(metrics_text: str, name: str, **labels: str) -> float | None:
-    """The value of one sample in Prometheus text format (labels matched as a subset)."""
-    for line in metrics_text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)$", line)
-        if not match or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(3) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(match.group(4))
-    return None
-
-
-def metric(url: str, name: str, **labels: str) -> float | None:
-    return sample(get(f"{url}/metrics")[1], name, **labels)
+# What test_a_stalled_worker_is_reported_and_recovers gives the control plane as --stall-timeout.
+STALL_TIMEOUT_S = 3
 
 
 def first_tokens(client: EngineClient, request_id: str) -> list[int]:
@@ -95,7 +60,7 @@ def stack(tmp_path_factory, smollm2):
 
 
 def test_every_service_exports_metrics_that_promtool_accepts(stack):
-    promtool = need_tool("promtool")
+    promtool = require_tool("promtool")
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused")
@@ -146,7 +111,7 @@ def shipped_config_for(stack) -> dict:
 
 def test_prometheus_with_the_shipped_config_scrapes_all_three_services_and_evaluates_every_rule(
         stack, tmp_path):
-    prometheus = need_tool("prometheus")
+    prometheus = require_tool("prometheus")
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused")
@@ -201,30 +166,36 @@ def test_prometheus_with_the_shipped_config_scrapes_all_three_services_and_evalu
 
 # ---- a stalled worker --------------------------------------------------------------------------
 def test_a_stalled_worker_is_reported_and_recovers(tmp_path, smollm2):
-    with engine_stack(tmp_path, smollm2, control_flags=("--stall-timeout", "1")) as (stack, client):
+    stall_timeout = ("--stall-timeout", str(STALL_TIMEOUT_S))
+    with engine_stack(tmp_path, smollm2, control_flags=stall_timeout) as (stack, client):
         worker = stack.services[0]
+        control_metrics = stack.control_metrics_url
         client.add("slow", [1, 2, 3, 4], 40, eos_token_ids=())
         seen = first_tokens(client, "slow")
-        # A slow first step on a busy CI machine may already count as a stall: count from here.
-        stalls = metric(stack.control_metrics_url, "ttserve_worker_stalls_total", worker="0")
+        # A slow step on a busy machine may count as a stall of its own: count from a moment when
+        # the worker is not stalled, so that the next stall is the one this test causes.
+        wait_until(lambda: metric(control_metrics, "ttserve_worker_stalled", worker="0") == 0, 30,
+                   "the worker not to be stalled before the test stalls it", stack)
+        stalls = metric(control_metrics, "ttserve_worker_stalls_total", worker="0") or 0
         worker.proc.send_signal(signal.SIGSTOP)
         try:
-            wait_until(lambda: metric(stack.control_metrics_url, "ttserve_worker_stalled", worker="0") == 1,
-                       30, "the stall to be reported")
+            wait_until(lambda: metric(control_metrics, "ttserve_worker_stalled", worker="0") == 1,
+                       STALL_TIMEOUT_S + 30, "the stall to be reported")
             info = client.server_info()
             assert info.workers[0].stalled and info.workers[0].state.startswith("stalled")
             assert not info.ready  # its only worker is stalled
-            status, body = get(f"{stack.control_metrics_url}/ready")
+            status, body = get(f"{control_metrics}/ready")
             assert status == 503 and "stalled" in json.loads(body)["reason"]
-            assert metric(stack.control_metrics_url, "ttserve_worker_stalls_total", worker="0") == stalls + 1
+            assert metric(control_metrics, "ttserve_worker_stalls_total", worker="0") >= stalls + 1
         finally:
             worker.proc.send_signal(signal.SIGCONT)
         result = client.collect({"slow"})["slow"]
         assert result.finish_reason == FINISH.FINISH_REASON_LENGTH and len(seen + result.token_ids) == 40
-        assert metric(stack.control_metrics_url, "ttserve_worker_stalled", worker="0") == 0
+        assert metric(control_metrics, "ttserve_worker_stalled", worker="0") == 0
         assert client.server_info().ready
-        assert "stalled: no step result for 1 s" in stack.services[1].output()
-        assert "recovered after" in stack.services[1].output()
+        log = stack.services[1].output()
+        assert f"stalled: no step result for {STALL_TIMEOUT_S} s" in log
+        assert "recovered after" in log
 
 
 # ---- graceful drain ----------------------------------------------------------------------------
@@ -269,7 +240,8 @@ def test_past_the_shutdown_timeout_the_rest_is_aborted_with_a_reason(tmp_path, s
         assert "shut down" in result.error and "--shutdown-timeout 1" in result.error
         assert 0 < len(result.token_ids) < 2000
         assert control.proc.wait(timeout=30) == 0
-        assert time.monotonic() - started < 20
+        # --shutdown-timeout 1 cut the drain short: well before the default timeout would have.
+        assert time.monotonic() - started < DEFAULT_SHUTDOWN_TIMEOUT_S - 5
 
 
 def test_sigterm_on_the_worker_lets_the_control_plane_step_then_exits_cleanly(tmp_path, smollm2):

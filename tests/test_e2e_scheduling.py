@@ -34,17 +34,14 @@ def client(stack):
     return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
 
 
-def hf_greedy(smollm2, ids: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         return model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False)[0, len(ids):].tolist()
 
 
-def test_preemption_by_kv_pressure_keeps_greedy_output_exact(stack, smollm2):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+def test_preemption_by_kv_pressure_keeps_greedy_output_exact(stack, smollm2, hf_smollm2):
+    tokenizer, model = hf_smollm2
     prompts = [tokenizer(f"Item {i}: a list of animals that live in the sea:")["input_ids"] for i in range(4)]
     client = openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
 
@@ -59,7 +56,7 @@ def test_preemption_by_kv_pressure_keeps_greedy_output_exact(stack, smollm2):
     outputs = asyncio.run(run())
     assert "preempted request" in stack.services[1].output(), "the KV pool was meant to force preemption"
     for ids, got in zip(prompts, outputs):
-        assert got == hf_greedy(smollm2, ids, 64)
+        assert got == hf_greedy(model, ids, 64)
 
 
 def test_prefix_cache_hit_is_reported_and_changes_nothing(client, smollm2):

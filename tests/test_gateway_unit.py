@@ -66,9 +66,14 @@ def test_neutral_sampling_is_sent_as_neutral_values():
     assert not s.logit_bias and not s.allowed_token_ids and not s.bad_words
 
 
-def test_greedy_request_keeps_temperature_zero():
-    s = convert.to_add_request(core_request(temperature=0.0)).sampling
-    assert s.temperature == 0.0
+def test_greedy_request_is_sent_greedy_with_its_filters_off():
+    # temperature 0 is also the protobuf default, so it alone would pass with the field unset:
+    # vLLM turns the filters of a greedy request off, and top_p must arrive as the 1.0 it sets.
+    s = convert.to_add_request(core_request(temperature=0.0, top_p=0.5, top_k=40, min_p=0.2)).sampling
+    assert s.temperature == 0.0 and s.top_p == 1.0 and s.top_k in (0, -1) and s.min_p == 0.0
+    # The smallest temperature vLLM samples at (it raises lower ones to 0.01) is not sent as greedy.
+    tiny = convert.to_add_request(core_request(temperature=0.001)).sampling
+    assert tiny.temperature == pytest.approx(0.01)
 
 
 def test_negative_seed_maps_to_a_distinct_uint64():
@@ -128,12 +133,12 @@ def test_request_without_structured_output_carries_none():
     assert not convert.to_add_request(core_request()).HasField("structured_output")
 
 
-def test_plain_request_is_carried():
-    assert convert.unsupported_by_protocol(core_request(temperature=0.5, presence_penalty=1.0)) is None
-
-
-def test_logprobs_and_prompt_logprobs_are_carried_for_the_control_plane_to_decide():
-    assert convert.unsupported_by_protocol(core_request(logprobs=5, prompt_logprobs=1)) is None
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=0.5, presence_penalty=1.0),  # a plain request
+    dict(logprobs=5, prompt_logprobs=1),  # carried for the control plane to decide
+], ids=["plain", "logprobs"])
+def test_requests_the_protocol_can_carry_are_accepted(sampling):
+    assert convert.unsupported_by_protocol(core_request(**sampling)) is None
 
 
 # ---- outputs -------------------------------------------------------------------------------

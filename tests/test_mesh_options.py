@@ -8,7 +8,7 @@ import pytest
 
 from ttserve.worker.mesh import (FABRIC_CONFIGS, PRESETS, MeshError, MeshSpec, default_fabric, fabric_for,
                                  mesh_from_env, normalize_arch, parse_visible_devices, resolve_mesh)
-from ttserve.worker.options import (DEFAULT_TRACE_REGION_SIZE, TT_OPTIONS, OptionError, TraceFlags,
+from ttserve.worker.options import (TT_OPTIONS, OptionError, TraceFlags,
                                     async_decode_allowed, check_model_options, device_sampling,
                                     parse_additional_config, split_additional_config,
                                     trace_flags, validate_additional_config)
@@ -342,7 +342,3 @@ def test_async_decode_needs_the_model_traced_decode_and_device_sampling():
     assert "traced decode" in async_decode_allowed({**good, "trace_mode": "none"}, caps)[1]
     assert "device sampling" in async_decode_allowed({}, caps)[1]
     assert "device sampling" in async_decode_allowed({**good, "always_compat_sampling": True}, caps)[1]
-
-
-def test_the_default_trace_region_is_fifty_million_bytes():
-    assert DEFAULT_TRACE_REGION_SIZE == 50_000_000

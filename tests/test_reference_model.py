@@ -46,8 +46,8 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def smol_dir() -> Path:
-    return prepare("smollm2")
+def smol_dir(smollm2) -> Path:
+    return smollm2
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +56,14 @@ def smol_config(smol_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_smol(smol_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smol_dir, dtype=torch.float32, attn_implementation="eager").eval()
+def hf_smol(hf_smollm2):
+    """transformers' SmolLM2 (the session's, conftest.hf_smollm2): float32, eager attention."""
+    return hf_smollm2[1]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smol_dir):
-    return transformers.AutoTokenizer.from_pretrained(smol_dir)
+def tokenizer(hf_smollm2):
+    return hf_smollm2[0]
 
 
 @pytest.fixture(scope="module")
