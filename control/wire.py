@@ -118,11 +118,15 @@ def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_nu
         batch.released_request_ids.extend(plan.released_ids)
         for request in plan.new_requests:
             batch.new_requests.append(_new_request_pb(request, plan.lane, max_num_seqs))
+        started = {id(r) for r in plan.new_requests}
         for work in plan.prefill:
             all_ids = work.request.all_token_ids
+            # A request's first chunk after a prefix-cache hit carries the cached tokens: the
+            # worker holds no others of it, and the generator may recompute below start_pos.
+            cached = all_ids[:work.start] if work.start and id(work.request) in started else []
             batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
                               start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample,
-                              token_bitmask=work.bitmask)
+                              token_bitmask=work.bitmask, cached_token_ids=cached)
         for work in plan.decode:
             if work.token_id is None:
                 batch.decode.add(request_id=work.request.request_id, use_previous_token=True,

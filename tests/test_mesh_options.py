@@ -173,7 +173,13 @@ GOOD = [
     ("dispatch_core_axis", "row", "row"), ("dispatch_core_axis", "col", "col"),
     ("always_compat_sampling", "True", True), ("always_compat_sampling", False, False),
     ("optimizations", "performance", "performance"), ("optimizations", "accuracy", "accuracy"),
+    ("register_test_models", True, True), ("register_test_models", "false", False),
+    ("config_pkl_dir", "/shared/tt", "/shared/tt"),
+    ("env_passthrough", ["VLLM_*", "MESH_DEVICE"], ["VLLM_*", "MESH_DEVICE"]),
 ]
+
+# The plugin's multi-rank launch (tt-run over MPI): recognised, and refused with what to do instead.
+LAUNCH = {"rank_binding", "mpi_args", "extra_ttrun_args"}
 
 BAD = [
     ("sample_on_device_mode", "decode", "choose one of all, decode_only"),
@@ -194,11 +200,17 @@ BAD = [
     ("dispatch_core_axis", "diagonal", "choose one of row, col"),
     ("always_compat_sampling", "maybe", "not a boolean"),
     ("optimizations", "speed", "choose one of performance, accuracy"),
+    ("register_test_models", "yes", "not a boolean"),
+    ("config_pkl_dir", "", "non-empty string"),
+    ("env_passthrough", "VLLM_*", "list of environment-variable patterns"),
+    ("rank_binding", "ranks.yaml", "pass each to the control plane with --worker"),
+    ("mpi_args", "--map-by node", "one worker per host or submesh"),
+    ("extra_ttrun_args", "--verbose", "start `ttserve worker` on each"),
 ]
 
 
 def test_every_option_has_good_and_bad_cases():
-    assert {k for k, _, _ in GOOD} == set(TT_OPTIONS) == {k for k, _, _ in BAD}
+    assert {k for k, _, _ in GOOD} | LAUNCH == set(TT_OPTIONS) == {k for k, _, _ in BAD}
 
 
 @pytest.mark.parametrize("key, value, expected", GOOD)

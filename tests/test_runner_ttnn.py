@@ -56,7 +56,7 @@ def ttnn_runner(model_dir, monkeypatch, **tt) -> tuple[ModelRunner, FakeTtnn, li
 
 def new_requests(host: HostSampling | None = None) -> list[NewRequest]:
     return [NewRequest("greedy", 0, ROW["greedy"], 0.0, 1.0, 0, None, host=host),
-            NewRequest("seeded", 0, ROW["seeded"], 0.8, 0.9, 50, SEED)]
+            NewRequest("seeded", 0, ROW["seeded"], 0.8, 0.9, 20, SEED)]
 
 
 def prefill(runner: ModelRunner, host: HostSampling | None = None):
@@ -128,7 +128,7 @@ def test_prefill_then_decode_sample_on_the_device_with_tt_metal_params(model_dir
     assert call["tokens"].tolist() == [PROMPTS["greedy"], PROMPTS["seeded"] + [0, 0]]
     params = call["sampling_params"]
     assert isinstance(params, SamplingParams)
-    assert params == SamplingParams(temperature=[0.0, 0.8], top_k=[0, 50], top_p=[1.0, 0.9], seed=[None, SEED])
+    assert params == SamplingParams(temperature=[0.0, 0.8], top_k=[0, 20], top_p=[1.0, 0.9], seed=[None, SEED])
 
     position = {rid: len(ids) for rid, ids in PROMPTS.items()}
     for step_id in range(2, 5):

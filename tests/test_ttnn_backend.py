@@ -554,7 +554,7 @@ def test_probe_reads_what_the_child_process_found(ttnn_installed, monkeypatch):
     monkeypatch.setattr(ttnn_backend.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 0, stdout="log line\nTTSERVE_PROBE " + json.dumps(answer) + "\n", stderr=""))
     assert probe_chips(device_dir=None) == ChipProbe(True, "32 wormhole_b0 chip(s), cluster GALAXY",
-                                                     32, "wormhole_b0", True)
+                                                     32, "wormhole_b0", True, "GALAXY")
 
 
 def test_probe_runs_ttnn_in_a_child_and_reports_an_import_failure(ttnn_installed):

@@ -58,6 +58,7 @@ class PrefillChunk:
     new_block_ids: list[int]
     sample: bool
     token_bitmask: bytes = b""     # grammar mask of the sampled token (device.proto); b"" = none
+    cached_token_ids: list[int] = field(default_factory=list)  # [0, start_pos) on a request's first chunk
 
 
 @dataclass(slots=True)

@@ -43,95 +43,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="step-time profile of --backend sim (see ttserve.worker.sim.PROFILES)")
 
 
-def choose_backend(requested: str):
-    """The backend to run, why, and for ttnn the chips found (probed once: a child process
-    that discovers the cluster). Asking for ttnn on a host without chips fails within seconds
-    with one line; `auto` falls back to torch and says why."""
-    if requested in ("torch", "sim"):
-        return requested, "requested", None
-    from .ttnn_backend import probe_chips, require_chips
-
-    if requested == "ttnn":
-        return "ttnn", "requested", require_chips()
-    found = probe_chips()
-    return ("ttnn", found.reason, found) if found.ok else ("torch", f"no ttnn device: {found.reason}", None)
-
-
 def build_service(args: argparse.Namespace):
+    """The worker as the plan says (worker/preflight.py): every check `ttserve check` makes runs
+    here first, and any problem that would stop start-up stops it now, before a device opens."""
     import torch
 
-    from .model_prepare import ModelPrepareError, resolve_model
-    from .options import OptionError, parse_additional_config
-    from .registry import RegistryError, build_registry
-    from .mesh import MeshError
+    from .preflight import plan_worker
     from .runner import DeviceOptions, ModelRunner
     from .server import DeviceService
     from .sim import PROFILES, SimModel
 
-    if args.num_threads < 0:
-        raise StartupError(f"--num-threads must be 0 (torch's default) or a positive count, got {args.num_threads}")
+    plan = plan_worker(args)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
+    if plan.fatal:
+        for problem in plan.fatal[:-1]:
+            log.error("%s", problem)
+        raise StartupError(plan.fatal[-1])
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    try:
-        options = parse_additional_config(args.additional_config, getattr(args, "additional_config_dotted", None))
-        if args.block_size < 1 or args.kv_cache_memory_bytes < 1:
-            raise StartupError("--block-size and --kv-cache-memory-bytes must be positive")
-        backend, why, chips = choose_backend(args.backend)
-        model_path = resolve_model(args.model)
-        runner_config = ModelRunner.read_config(model_path)
-        # The sim serves the checkpoint's config with the reference model's contract shape.
-        registry = build_registry("torch" if backend == "sim" else backend)
-        architecture, model_cls = registry.resolve(runner_config.get("architectures") or [])
-        device_api = None
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise StartupError("--device cuda: torch sees no CUDA device on this host")
-        # torch traces decode as a CUDA graph on CUDA (unless tt.trace_mode is "none"); on a CPU
-        # only when tt.trace_mode asks, running the trace's static shapes eagerly (every row,
-        # the whole page table: slower than computing live rows, meant to check that path).
-        device_options = DeviceOptions(options, backend_traces=device.type == "cuda" or "trace_mode" in options,
-                                       traced_kinds=frozenset({"decode"}))
-        device_name = str(device)
-        if backend == "sim":
-            profile = PROFILES.get(args.sim_profile)
-            if profile is None:
-                raise StartupError(f"--sim-profile {args.sim_profile} is unknown; profiles: "
-                                   f"{', '.join(sorted(PROFILES))}")
-            model_cls = SimModel.for_profile(profile)
-            device_name = f"sim {profile.name} ({profile.description})"
-            device_options = DeviceOptions(options, backend_traces=True,
-                                           kv_tokens_per_lane=profile.kv_tokens_per_lane)
-        elif backend == "ttnn":
-            device_api, device_name = _ttnn_device(options, model_cls, architecture, chips)
-            device_options = DeviceOptions(options, backend_traces=True, kv_tokens_per_lane=TTNN_KV_TOKENS)
-    except (OptionError, ModelPrepareError, RegistryError, MeshError, StartupError, RuntimeError) as e:
-        raise StartupError(str(e)) from e
-    log.info("backend %s (%s); model %s (%s) on %s; tt options %s", backend, why, model_path,
-             architecture, device_name, options or "none")
-    runner = ModelRunner(model_path, model_cls, architecture, device, getattr(torch, _DTYPES[args.dtype]),
+    options, model_cls, device = plan.options, plan.model_cls, torch.device(args.device)
+    device_api = None
+    # torch traces decode as a CUDA graph on CUDA (unless tt.trace_mode is "none"); on a CPU
+    # only when tt.trace_mode asks, running the trace's static shapes eagerly (every row,
+    # the whole page table: slower than computing live rows, meant to check that path).
+    device_options = DeviceOptions(options, backend_traces=device.type == "cuda" or "trace_mode" in options,
+                                   traced_kinds=frozenset({"decode"}))
+    device_name = str(device)
+    if plan.backend == "sim":
+        profile = PROFILES[args.sim_profile]
+        model_cls = SimModel.for_profile(profile)
+        device_name = f"sim {profile.name} ({profile.description})"
+        device_options = DeviceOptions(options, backend_traces=True, kv_tokens_per_lane=profile.kv_tokens_per_lane)
+    elif plan.backend == "ttnn":
+        from .device_api import TtnnDevice
+        from .ttnn_backend import TtnnBackend
+
+        device_api = TtnnDevice(TtnnBackend(plan.mesh, options, cluster=plan.chips.cluster), plan.entry.variant)
+        device_name = f"mesh {plan.mesh.name} {plan.mesh.shape}"
+        device_options = DeviceOptions(options, backend_traces=True)
+    log.info("backend %s (%s); model %s (%s) on %s; tt options %s", plan.backend, plan.backend_reason,
+             plan.model_path, plan.architecture, device_name, options or "none")
+    runner = ModelRunner(plan.model_path, model_cls, plan.architecture, device, getattr(torch, _DTYPES[args.dtype]),
                          args.block_size, args.kv_cache_memory_bytes, device_options, device_api)
-    return DeviceService(runner, backend, device_name)
-
-
-# KV tokens per lane on a mesh when the model states no budget (the plugin's fallback).
-TTNN_KV_TOKENS = 131072
-
-
-def _ttnn_device(options: dict, model_cls: type, architecture: str, chips):
-    """The mesh from MESH_DEVICE / TT_VISIBLE_DEVICES, checked against the chips found, with
-    the model's options checked before anything opens."""
-    import os
-
-    from .device_api import TtnnDevice
-    from .mesh import mesh_from_env
-    from .options import check_model_options
-    from .ttnn_backend import TtnnBackend
-
-    spec = mesh_from_env(os.environ, chips.num_devices, arch=chips.arch, is_galaxy=chips.is_galaxy)
-    for warning in check_model_options(options, getattr(model_cls, "model_capabilities", None) or {},
-                                       architecture):
-        log.warning("%s", warning)
-    return TtnnDevice(TtnnBackend(spec, options)), f"mesh {spec.name} {spec.shape}"
+    return DeviceService(runner, plan.backend, device_name)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,10 +104,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.metrics_port <= 65535 or args.shutdown_timeout < 0:
-        log.error("--metrics-port must be a port number (0: none) and --shutdown-timeout 0 or more "
-                  "seconds; got %s and %s", args.metrics_port, args.shutdown_timeout)
-        return 2
     try:
         service = build_service(args)
     except StartupError as e:

@@ -17,14 +17,18 @@ reads the previous decode back and uploads real tokens (`reset_batch=True`).
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from .batch import ServingConfig
 from .sampling import SamplingBatch
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int, str], None]  # phase, completed, total, detail
 
@@ -45,6 +49,21 @@ class TorchDevice:
         self.dtype = dtype
         self.traced = traced
         self.resident_tokens = True  # next-step tokens can be read off device_out by row
+
+    # The reference models and the sim batch every lane's rows in one forward: lanes in process,
+    # any top_k on the (torch) sampler, and a KV budget from bytes (the sim's from its profile).
+    def lanes_in_process(self, model_cls: type) -> bool:
+        return True
+
+    def max_top_k(self, capabilities: Mapping[str, Any]) -> int | None:
+        return None
+
+    def check(self, model_cls: type, model_path: Path, config: ServingConfig) -> None:
+        pass
+
+    def kv_tokens_per_lane(self, model_cls: type, model_path: Path, config: ServingConfig,
+                           block_size: int) -> int | None:
+        return None
 
     def initialize(self, model_cls: type, model_path: Path, hf_config: dict, config: ServingConfig) -> Any:
         return model_cls.initialize_vllm_model(
@@ -121,8 +140,10 @@ class TtnnDevice:
     and its next decode reloads from the host).
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, variant: str | None = None, env: Mapping[str, str] = os.environ) -> None:
         self.backend = backend
+        self.variant = variant                             # the selector value that chose the class
+        self.env = env
         self._keeps_inputs = False                         # known once the model is built
         self._next_positions: torch.Tensor | None = None
         self._active: torch.Tensor | None = None           # the last decode's rows; None after prefill
@@ -136,14 +157,53 @@ class TtnnDevice:
     def traced(self, kind: str) -> bool:
         return self.backend.trace.prefill if kind == "prefill" else self.backend.trace.decode
 
+    # ---- tt-metal's rules for the class (worker/tt_models.py) ----
+    def family(self, model_cls: type) -> Any:
+        from .tt_models import ModelFamily
+        return ModelFamily(model_cls.__name__, model_cls.__module__, self.variant)
+
+    def lanes_in_process(self, model_cls: type) -> bool:
+        from .tt_models import folds_dp_into_lanes
+        return folds_dp_into_lanes(self.family(model_cls), self.env)
+
+    def max_top_k(self, capabilities: Mapping[str, Any]) -> int | None:
+        from .tt_models import device_top_k
+        return device_top_k(capabilities)
+
+    def check(self, model_cls: type, model_path: Path, config: ServingConfig) -> None:
+        """Refuses (ValueError, before any weight loads) a serving configuration the class would
+        assert on, and a checkpoint variable that names other weights."""
+        from .tt_models import checkpoint_environment, data_parallel_problem
+        family = self.family(model_cls)
+        problem = (data_parallel_problem(family, config.num_lanes, config.max_num_seqs, self.backend.spec)
+                   or checkpoint_environment(family, model_path, self.env).problem)
+        if problem:
+            raise ValueError(problem)
+
+    def kv_tokens_per_lane(self, model_cls: type, model_path: Path, config: ServingConfig,
+                           block_size: int) -> int | None:
+        from .tt_models import kv_budget, tt_data_parallel
+        budget = kv_budget(model_cls, model_name=str(model_path), num_devices=self.backend.spec.num_devices,
+                           tt_data_parallel=tt_data_parallel(self.family(model_cls), config.num_lanes,
+                                                             self.backend.spec),
+                           max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                           block_size=block_size)
+        log.info("KV budget: %d tokens per lane = %s", budget.tokens_per_lane, budget.source)
+        return budget.tokens_per_lane
+
     def initialize(self, model_cls: type, model_path: Path, hf_config: dict, config: ServingConfig) -> Any:
+        from .tt_models import apply_environment, checkpoint_environment, tt_data_parallel
         from .ttnn_backend import hf_config_for
+        family = self.family(model_cls)
+        # tt-metal's model code finds its weights through this variable (HF_MODEL, ...).
+        apply_environment(checkpoint_environment(family, model_path, self.env).to_set)
         if self.backend.mesh is None:
             self.backend.open()
         # tt-metal's max_batch_size is the whole mesh's rows; it gives each lane an equal share.
         model = self.backend.initialize_model(
             model_cls, hf_config_for(model_path), max_batch_size=config.num_lanes * config.max_num_seqs,
-            max_seq_len=config.max_model_len, tt_data_parallel=config.num_lanes)
+            max_seq_len=config.max_model_len,
+            tt_data_parallel=tt_data_parallel(family, config.num_lanes, self.backend.spec))
         self._keeps_inputs = self.backend.keeps_decode_inputs(model)
         return model
 
@@ -162,8 +222,12 @@ class TtnnDevice:
         """tt-metal's own SamplingParams (lists per row); seeds instead of host generators, None
         for a row without one (as the plugin sends them: async_decode.py `submit_decode`)."""
         from models.tt_transformers.tt.generator import SamplingParams  # a tt-metal host only
-        return SamplingParams(temperature=[float(t) for t in batch.temperature], top_k=[int(k) for k in batch.top_k],
-                              top_p=[float(p) for p in batch.top_p], seed=list(seeds))
+        # top_k == 1 is argmax only with top_p = 0: tt-metal's sampler otherwise samples such a row
+        # at its temperature (tt-metal issue 46827; the plugin forces it, input_batch.py).
+        top_k = [int(k) for k in batch.top_k]
+        return SamplingParams(temperature=[float(t) for t in batch.temperature], top_k=top_k,
+                              top_p=[0.0 if k == 1 else float(p) for k, p in zip(top_k, batch.top_p)],
+                              seed=list(seeds))
 
     def prefill(self, model: Any, **kwargs: Any) -> Any:
         self._next_positions = self._active = None

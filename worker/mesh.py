@@ -137,24 +137,34 @@ def mesh_from_env(environ: Mapping[str, str], num_devices: int, *, arch: str | N
                         visible_devices=visible)
 
 
-def default_fabric(spec: MeshSpec) -> str | None:
-    """The fabric a mesh runs with when the user names none (None: no fabric)."""
+def default_fabric(spec: MeshSpec, cluster: str | None = None) -> str | None:
+    """The fabric a mesh runs with when the user names none (None: no fabric).
+
+    As the plugin's worker.py chooses it: from the host's cluster type (ttnn.cluster.
+    get_cluster_type()), not the mesh's shape, so a T3K-shaped submesh on a Galaxy host still
+    gets the Galaxy's ring. Without a cluster type (a plan made off the hardware) the mesh's own
+    kind stands in for it.
+    """
     if spec.num_devices == 1:
         return None
-    if spec.is_galaxy:
-        return "FABRIC_2D_TORUS_XY" if spec.arch == BLACKHOLE else "FABRIC_1D_RING"
+    if cluster is None:
+        cluster = ("BLACKHOLE_GALAXY" if spec.arch == BLACKHOLE else "GALAXY") if spec.is_galaxy else ""
+    if cluster == "BLACKHOLE_GALAXY":
+        return "FABRIC_2D_TORUS_XY"
+    if cluster in ("GALAXY", "TG"):
+        return "FABRIC_1D_RING"
     return "FABRIC_1D"
 
 
-def fabric_for(spec: MeshSpec, requested: str | None) -> str | None:
-    """The fabric to set before opening `spec`: the user's choice, else the default.
+def fabric_for(spec: MeshSpec, requested: str | None, cluster: str | None = None) -> str | None:
+    """The fabric to set before opening `spec`: the user's choice, else the cluster's default.
 
     A single device never gets a fabric, whatever was asked; "DISABLED" means no fabric.
     """
     if spec.num_devices == 1:
         return None
     if requested is None:
-        return default_fabric(spec)
+        return default_fabric(spec, cluster)
     if requested not in FABRIC_CONFIGS:
         raise MeshError(f"fabric_config {requested!r} is not a ttnn fabric; choose one of "
                         f"{', '.join(FABRIC_CONFIGS)}")

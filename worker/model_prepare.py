@@ -97,6 +97,19 @@ def resolve_model(name_or_path: str) -> Path:
         f"(config.json + *.safetensors) or one of the embedded models: {sorted(EMBEDDED_MODELS)}")
 
 
+def prepared_folder(name_or_path: str) -> tuple[Path | None, str | None]:
+    """What `resolve_model` would serve, without converting anything: the folder, or None and
+    why not yet (an embedded model that start-up would still convert). Refusals raise as there."""
+    spec = EMBEDDED_MODELS.get(name_or_path)
+    if spec is None or Path(name_or_path).expanduser().is_dir():
+        return resolve_model(name_or_path), None
+    final = cache_root(None) / "models" / spec.folder
+    if (final / MARKER).is_file():
+        return final, None
+    return None, (f"the embedded model {name_or_path} is not prepared yet; the worker converts it at "
+                  f"start-up (or run `ttserve model prepare {name_or_path}`)")
+
+
 def prepare(name: str, cache_dir: Path | None = None) -> Path:
     """Returns the Hugging Face folder of embedded model `name`, converting it on first use."""
     spec = EMBEDDED_MODELS.get(name)

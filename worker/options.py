@@ -78,6 +78,32 @@ def _bytes(key: str, value: Any) -> int:
     return size
 
 
+def _multi_rank_launch(key: str, value: Any) -> Any:
+    """The plugin's tt-run/MPI launch of engine ranks (its launcher.py), which ttserve does not do."""
+    raise OptionError(
+        f"tt.{key} = {value!r} configures the TT vLLM plugin's multi-rank launch (tt-run over MPI, one engine rank "
+        "per submesh or host); ttserve runs one worker per host or submesh instead: start "
+        "`ttserve worker` on each (with its TT_VISIBLE_DEVICES) and pass each to the control plane "
+        "with --worker HOST:PORT. Remove tt.rank_binding, tt.mpi_args and tt.extra_ttrun_args")
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise OptionError(f"tt.{key} = {value!r} must be a non-empty string (a path)")
+    return value
+
+
+def _patterns(key: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise OptionError(f"tt.{key} = {value!r} must be a list of environment-variable patterns, "
+                          'e.g. ["VLLM_*", "MESH_DEVICE"]')
+    return list(value)
+
+
+# Accepted for the plugin's launch configuration, with no effect on a ttserve worker (which reads
+# its own environment and is started by its own supervisor).
+LAUNCH_ONLY_OPTIONS = ("config_pkl_dir", "env_passthrough")
+
 TT_OPTIONS: dict[str, Callable[[str, Any], Any]] = {
     "sample_on_device_mode": _choice("all", "decode_only"),
     "trace_mode": _choice("all", "decode_only", "none"),
@@ -90,6 +116,13 @@ TT_OPTIONS: dict[str, Callable[[str, Any], Any]] = {
     "dispatch_core_axis": _choice("row", "col"),
     "always_compat_sampling": _bool,
     "optimizations": _choice("performance", "accuracy"),
+    # Registers tt-metal's dummy test models (models.vllm_test_utils), as the plugin does.
+    "register_test_models": _bool,
+    "rank_binding": _multi_rank_launch,
+    "mpi_args": _multi_rank_launch,
+    "extra_ttrun_args": _multi_rank_launch,
+    "config_pkl_dir": _text,
+    "env_passthrough": _patterns,
 }
 
 
@@ -240,6 +273,10 @@ def check_model_options(options: Mapping[str, Any], capabilities: Mapping[str, A
     if options.get("sample_on_device_mode") and options.get("always_compat_sampling"):
         warnings.append("tt.always_compat_sampling is true: every batch samples on the host, so "
                         "tt.sample_on_device_mode has no effect")
+    for key in LAUNCH_ONLY_OPTIONS:
+        if key in options:
+            warnings.append(f"tt.{key} has no effect: it configures the TT vLLM plugin's tt-run launch, "
+                            "and a ttserve worker reads its own environment")
     if "trace_region_size" in options and not trace_flags(options).any:
         warnings.append("tt.trace_region_size is ignored with tt.trace_mode = 'none'")
     return warnings

@@ -73,6 +73,16 @@ _TTNN_FIXED = {
 }
 
 
+# tt-metal's dummy models for the plugin's own tests, registered with tt.register_test_models
+# (vllm-tt-plugin platform.py).
+_TTNN_TEST_MODELS = {
+    "TTDummyT3000MultiProcessModel":
+        "models.vllm_test_utils.t3000_multiproc_test.test_model:DummyT3000MultiProcessModel",
+    "TTDummyNoOpModel": "models.vllm_test_utils.no_op_test.test_model:DummyNoOpModel",
+    "TTDummyDualGlxModel": "models.vllm_test_utils.dual_glx_ccl_test.test_model:DummyDualGlxModel",
+}
+
+
 class RegistryError(ValueError):
     """The registry cannot be built as configured, or the selected model class cannot be used."""
 
@@ -126,11 +136,23 @@ def load_target(target: str, hint: bool = False) -> tuple[type | None, str | Non
     try:
         cls = import_target(target)
     except Exception as e:  # noqa: BLE001 - any failure of foreign import-time code
-        tip = (" (is tt-metal installed, with its root on PYTHONPATH?)"
-               if hint and isinstance(e, ModuleNotFoundError) else "")
-        return None, f"cannot import {target}: {type(e).__name__}: {e}{tip}"
+        return None, import_problem(target, e, hint)
     problem = contract_problem(cls)
     return (None, f"{target} {problem}") if problem else (cls, None)
+
+
+def import_problem(target: str, error: BaseException, tt_metal: bool = False) -> str:
+    """One line on why `target` did not import. A missing vLLM is named as such: tt-metal's
+    generator_vllm modules import it at their top, and the fix is not PYTHONPATH."""
+    module = target.partition(":")[0]
+    missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if missing and missing.split(".")[0] == "vllm":
+        from .tt_models import VLLM_FIX
+        return (f"{module} imports vLLM at its top and vLLM is not importable here "
+                f"({sys.executable}): {VLLM_FIX}")
+    tip = (" (is tt-metal installed, with its root on PYTHONPATH?)"
+           if tt_metal and isinstance(error, ModuleNotFoundError) else "")
+    return f"cannot import {target}: {type(error).__name__}: {error}{tip}"
 
 
 def import_target(target: str) -> type:
@@ -186,6 +208,11 @@ class Registry:
         Raises UnknownArchitecture (listing the registered names) when none has an entry, and
         ModelLoadError when the chosen entry cannot be imported or misses the contract.
         """
+        arch, entry = self.select(architectures)
+        return arch, entry.load()
+
+    def select(self, architectures: list[str]) -> tuple[str, Entry]:
+        """The first declared architecture with an entry and that entry, imported nothing yet."""
         for arch in architectures:
             name = tt_name(arch)
             if name in self._broken:
@@ -193,7 +220,7 @@ class Registry:
                 raise ModelLoadError(f"{arch} is provided by bundle {folder}, which cannot be "
                                      f"used: {problem}")
             if name in self.entries:
-                return arch, self.entries[name].load()
+                return arch, self.entries[name]
         declared = ", ".join(architectures) or "(none declared in config.json)"
         skipped = (f" ({len(self.skipped)} bundle(s) under EXTRA_MODELS_DIR were skipped, see the "
                    "warnings above)" if self.skipped else "")
@@ -207,12 +234,13 @@ def builtins_enabled(env: Mapping[str, str]) -> bool:
     return value is None or value.strip().lower() not in ("0", "false", "no", "off")
 
 
-def builtin_entries(backend: str, env: Mapping[str, str]) -> dict[str, Entry]:
+def builtin_entries(backend: str, env: Mapping[str, str], test_models: bool = False) -> dict[str, Entry]:
     if backend == "torch":
         from .models import REFERENCE_ARCHITECTURES
         return {tt_name(arch): Entry(tt_name(arch), cls, "torch")
                 for arch, cls in REFERENCE_ARCHITECTURES.items()}
-    entries = {name: Entry(name, target, "ttnn") for name, target in _TTNN_FIXED.items()}
+    fixed = {**_TTNN_FIXED, **(_TTNN_TEST_MODELS if test_models else {})}
+    entries = {name: Entry(name, target, "ttnn") for name, target in fixed.items()}
     for var, (name, choices) in SELECTORS.items():
         value = env.get(var) or next(iter(choices))
         if value not in choices:
@@ -321,11 +349,12 @@ def bundle_entries(env: Mapping[str, str]) -> tuple[dict[str, Entry], dict[str, 
     return entries, skipped, broken
 
 
-def build_registry(backend: str, env: Mapping[str, str] = os.environ) -> Registry:
-    """The registry of `backend` ("torch" or "ttnn") under the environment `env`."""
+def build_registry(backend: str, env: Mapping[str, str] = os.environ, test_models: bool = False) -> Registry:
+    """The registry of `backend` ("torch" or "ttnn") under the environment `env`; `test_models`
+    (tt.register_test_models) adds tt-metal's dummy test models to the ttnn built-ins."""
     if backend not in BACKENDS:
         raise RegistryError(f"no model registry for backend {backend!r}; backends: {', '.join(BACKENDS)}")
-    entries = builtin_entries(backend, env) if builtins_enabled(env) else {}
+    entries = builtin_entries(backend, env, test_models) if builtins_enabled(env) else {}
     bundles, skipped, broken = bundle_entries(env)
     for name, entry in bundles.items():
         if name in entries:

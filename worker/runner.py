@@ -41,6 +41,10 @@ class RequestState:
     min_tokens_blocked_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0     # sampled so far, including before a preemption
     block_ids: list[int] = field(default_factory=list)
+    # The request's tokens from position 0 up to where its prefill has reached: a tt-metal
+    # generator floors a resumed prefill's start to its alignment and recomputes from there, so
+    # every prefill row carries the real tokens before start_pos. Emptied once the prompt is in.
+    prefix: list[int] = field(default_factory=list)
     # Options only the host sampler applies, with the token history they read; None: none.
     # A resumed request arrives as a new NewRequest with its whole history, never appended to.
     host: HostSampling | None = None
@@ -173,6 +177,16 @@ class ModelRunner:
         # tt-metal's classes may not declare any (as vLLM's plugin allows): then none.
         return dict(getattr(self.model_cls, "model_capabilities", None) or {})
 
+    @functools.cached_property
+    def lanes_in_process(self) -> bool:
+        """All lanes run in this worker's one model (the control plane may give it several)."""
+        return self.device_api.lanes_in_process(self.model_cls)
+
+    @functools.cached_property
+    def _device_top_k(self) -> int | None:
+        """The largest top_k the device sampler honours exactly (None: no limit)."""
+        return self.device_api.max_top_k(self.capabilities)
+
     # ---- warmup --------------------------------------------------------------------------
     def warmup(self, config: ServingConfig, progress: Progress) -> None:
         if self.config is not None:
@@ -180,7 +194,8 @@ class ModelRunner:
                 raise ValueError(f"this worker is already serving {self.config}; refusing a second "
                                  f"configuration {config}: restart the worker to change it")
             return
-        # An impossible KV budget is refused before minutes of weight loading.
+        # An impossible configuration or KV budget is refused before minutes of weight loading.
+        self.device_api.check(self.model_cls, self.model_path, config)
         layout = self._kv_layout(config)
         progress("load", 0, 1, f"{self.architecture} from {self.model_path}")
         self.model = self.device_api.initialize(self.model_cls, self.model_path, self.hf_config, config)
@@ -221,8 +236,11 @@ class ModelRunner:
         bytes_per_block = (num_layers * 2 * num_kv_heads * self.block_size * head_dim
                            * torch.empty((), dtype=self.dtype).element_size())
         wanted = -(-config.max_num_seqs * config.max_model_len // self.block_size)
-        if self.options.kv_tokens_per_lane:
-            return KvLayout(min(wanted, self.options.kv_tokens_per_lane // self.block_size), self.block_size,
+        # On a mesh the model states its budget; the sim's profile fixes one; else bytes decide.
+        fixed = (self.device_api.kv_tokens_per_lane(self.model_cls, self.model_path, config, self.block_size)
+                 or self.options.kv_tokens_per_lane)
+        if fixed:
+            return KvLayout(min(wanted, -(-fixed // self.block_size)), self.block_size,
                             num_layers, num_kv_heads, head_dim)
         affordable = self.kv_cache_bytes // (bytes_per_block * config.num_lanes)
         if affordable < 1:
@@ -314,15 +332,15 @@ class ModelRunner:
     def _prefill(self, chunks: list[PrefillChunk]
                  ) -> tuple[dict[str, int], dict[str, TokenLogprobs], bool]:
         states = [self._state(c.request_id, c.new_block_ids) for c in chunks]
-        # tt-metal's layout: row i holds the sequence from position 0 and the model computes
-        # tokens[i, start_pos:prompt_len]; positions before start_pos are cached and never read.
+        # tt-metal's layout: row i holds the sequence from position 0 (the real tokens: a
+        # generator may recompute from below start_pos) and the model computes
+        # tokens[i, start_pos:prompt_len].
         # The torch backend pads to the longest row of the batch, not to a traced bucket: on a
         # CPU, padding is pure extra arithmetic.
-        width = max(c.start_pos + len(c.token_ids) for c in chunks)
-        tokens = torch.zeros(len(chunks), width, dtype=torch.long)
-        for i, chunk in enumerate(chunks):
-            tokens[i, chunk.start_pos:chunk.start_pos + len(chunk.token_ids)] = torch.tensor(
-                chunk.token_ids, dtype=torch.long)
+        rows_tokens = [self._prefix_with(state, chunk) for state, chunk in zip(states, chunks)]
+        tokens = torch.zeros(len(chunks), max(map(len, rows_tokens)), dtype=torch.long)
+        for i, row_tokens in enumerate(rows_tokens):
+            tokens[i, :len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
         rows = [s.row for s in states]
         # An intermediate chunk samples nothing: greedy and without its generator, so a seeded
         # request draws the same random numbers however its prompt was chunked.
@@ -349,14 +367,30 @@ class ModelRunner:
         wanted = {c.request_id: lp for c, lp in zip(chunks, logprobs) if lp is not None}
         return tokens, wanted, on_device
 
+    def _prefix_with(self, state: RequestState, chunk: PrefillChunk) -> list[int]:
+        """The request's tokens [0, chunk end): what the worker holds of it, after the cached
+        prefix the control plane sends with a request's first chunk."""
+        if chunk.cached_token_ids:
+            state.prefix = list(chunk.cached_token_ids)
+        if len(state.prefix) != chunk.start_pos:
+            raise StepError(f"request {chunk.request_id}: a prefill chunk at position {chunk.start_pos}, but the "
+                            f"worker holds {len(state.prefix)} of its tokens (cached_token_ids missing?)")
+        state.prefix += chunk.token_ids
+        row = state.prefix
+        if chunk.sample:
+            state.prefix = []  # the prompt is in; decode feeds one token at a time
+        return row
+
     def _samples_on_device(self, kind: str, states: list[RequestState], no_partial_chunk: bool,
                            masked: bool = False) -> bool:
         """Device sampling is decided per batch: one request that needs the host sampler (or an
         intermediate prefill chunk, or a grammar bitmask, in the batch) sends the whole batch
         there."""
+        limit = self._device_top_k
         return (self.capabilities.get("supports_sample_on_device", False)
                 and self.options.device_sampling(kind) and no_partial_chunk and not masked
-                and not any(s.needs_host_sampler for s in states))
+                and not any(s.needs_host_sampler or (limit is not None and s.temperature > 0
+                                                     and not 1 <= s.top_k <= limit) for s in states))
 
     def _decode(self, items: list[DecodeItem], launched: Launched, pipelined: bool) -> None:
         assert self.config is not None

@@ -77,7 +77,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 supports_async_decode=caps.get("supports_async_decode", False),
                 supports_sample_on_device=caps.get("supports_sample_on_device", False),
                 supports_chunked_prefill=caps.get("supports_chunked_prefill", False),
-                single_execute_lanes=caps.get("single_execute_lanes", False)),
+                single_execute_lanes=r.lanes_in_process),
             eos_token_ids=r.eos_token_ids, ready=r.config is not None, async_decode=r.async_decode,
             mixture_of_experts=r.is_mixture_of_experts, mrope=r.uses_mrope)
         if r.config is not None and r.layout is not None:

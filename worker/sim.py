@@ -109,8 +109,7 @@ class SimModel:
 
     profile: SimProfile
     model_capabilities = {"supports_prefix_caching": True, "supports_async_decode": True,
-                          "supports_sample_on_device": True, "supports_chunked_prefill": True,
-                          "single_execute_lanes": True}
+                          "supports_sample_on_device": True, "supports_chunked_prefill": True}
 
     @classmethod
     def for_profile(cls, profile: SimProfile) -> type:

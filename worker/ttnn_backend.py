@@ -102,6 +102,7 @@ class ChipProbe:
     num_devices: int = 0        # what ttnn reports (already narrowed by TT_VISIBLE_DEVICES)
     arch: str | None = None     # ttnn's arch name, e.g. "wormhole_b0", "blackhole"
     is_galaxy: bool = False
+    cluster: str | None = None  # ttnn.cluster.get_cluster_type().name, e.g. "GALAXY", "T3K", "N300"
 
 
 _PROBE_MARK = "TTSERVE_PROBE "
@@ -162,7 +163,8 @@ def probe_chips(timeout_s: float = PROBE_TIMEOUT_S, device_dir: str | None = DEV
     if answer["num_devices"] < 1:
         return ChipProbe(False, "no Tenstorrent chips detected on this host (ttnn counts 0 devices)")
     return ChipProbe(True, f"{answer['num_devices']} {answer['arch']} chip(s), cluster {answer['cluster']}",
-                     answer["num_devices"], answer["arch"], answer["cluster"] in GALAXY_CLUSTERS)
+                     answer["num_devices"], answer["arch"], answer["cluster"] in GALAXY_CLUSTERS,
+                     answer["cluster"])
 
 
 def require_chips(timeout_s: float = PROBE_TIMEOUT_S, device_dir: str | None = DEVICE_DIR) -> ChipProbe:
@@ -226,11 +228,12 @@ def device_params(options: Mapping[str, Any]) -> dict[str, int]:
     return params
 
 
-def open_mesh(spec: MeshSpec, options: Mapping[str, Any], *, ttnn: Any = None) -> Any:
-    """Opens `spec` as one ttnn mesh device; the fabric is configured before the mesh opens."""
+def open_mesh(spec: MeshSpec, options: Mapping[str, Any], *, ttnn: Any = None, cluster: str | None = None) -> Any:
+    """Opens `spec` as one ttnn mesh device; the fabric (by default the host `cluster`'s) is
+    configured before the mesh opens."""
     t = _load_ttnn(ttnn)
     requested = options.get("fabric_config")
-    fabric = fabric_for(spec, requested)
+    fabric = fabric_for(spec, requested, cluster)
     if requested not in (None, "DISABLED") and fabric is None:
         log.warning("tt.fabric_config=%s ignored: %s is a single device", requested, spec.name)
     if fabric:
@@ -348,11 +351,13 @@ class TtnnBackend:
 
     name = "ttnn"
 
-    def __init__(self, spec: MeshSpec, options: Mapping[str, Any], *, ttnn: Any = None) -> None:
+    def __init__(self, spec: MeshSpec, options: Mapping[str, Any], *, ttnn: Any = None,
+                 cluster: str | None = None) -> None:
         self.spec = spec
         self.options = dict(options)
         self.trace: TraceFlags = trace_flags(self.options)
-        self.fabric = fabric_for(spec, self.options.get("fabric_config"))
+        self.cluster = cluster
+        self.fabric = fabric_for(spec, self.options.get("fabric_config"), cluster)
         self._ttnn_module = ttnn
         self.mesh: Any = None
         self._in_flight = 0
@@ -364,7 +369,7 @@ class TtnnBackend:
     # ---- life of the mesh ----
     def open(self) -> Any:
         assert self.mesh is None, "mesh already open"
-        self.mesh = open_mesh(self.spec, self.options, ttnn=self._ttnn_module)
+        self.mesh = open_mesh(self.spec, self.options, ttnn=self._ttnn_module, cluster=self.cluster)
         return self.mesh
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
                       for r in b.new_requests],
         released_ids=list(b.released_request_ids),
         prefill=[PrefillChunk(c.request_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
-                              c.token_bitmask) for c in b.prefill],
+                              c.token_bitmask, list(c.cached_token_ids)) for c in b.prefill],
         decode=[DecodeItem(d.request_id, d.token_id, d.position, list(d.new_block_ids), d.use_previous_token,
                            d.token_bitmask) for d in b.decode],
         async_readback=b.async_readback)

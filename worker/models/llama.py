@@ -190,8 +190,6 @@ class TorchLlamaForCausalLM:
         "supports_async_decode": True,
         "supports_sample_on_device": True,
         "supports_chunked_prefill": True,
-        # All lanes' rows run in one forward pass: lanes form one group, as on a Galaxy.
-        "single_execute_lanes": True,
     }
     # Checkpoint tensors an architecture cannot do without, beyond the Llama set.
     required_extras: tuple[str, ...] = ()

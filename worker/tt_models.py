@@ -1,0 +1,202 @@
+"""What tt-metal's model classes need from the worker that hosts them, beyond the generator
+contract's methods: the environment they read, how `--data-parallel-size` reaches them
+(`tt_data_parallel`), the KV budget they state, and where their sampler stops.
+
+These are the rules of the TT vLLM plugin and of tt-metal's model code, read from their source
+(tenstorrent/vllm-tt-plugin @ e3fc849 platform.py, worker.py, input_batch.py; tt-metal
+models/tt_transformers/tt/generator_vllm.py, model_config.py, models/common/model_capabilities.py,
+models/demos/llama3_70b_galaxy/tt/generator_vllm.py, models/demos/deepseek_v3/tt/generator_vllm.py).
+Pure Python: nothing here imports ttnn, torch or tt-metal, so `ttserve check` and the worker's
+start-up apply the same rules before any device is touched.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .mesh import MeshSpec
+
+# The plugin folds --data-parallel-size into in-process lanes for these generator versions
+# (platform.py _GALAXY_GENERATOR_VERSIONS) and for GPT-OSS (_model_folds_dp_into_lanes); every
+# other tt-metal class runs one process per data-parallel rank, each on its own submesh.
+GALAXY_GENERATOR_VERSIONS = {"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy", "TT_QWEN3_TEXT_VER": "qwen3_32b_galaxy"}
+_GPT_OSS = "GptOssForCausalLM"
+_DEEPSEEK = "DeepseekV3ForCausalLM"
+
+# ModelCapabilitiesMixin.FALLBACK_MAX_TOKENS_ALL_USERS: the plugin's budget for a class that
+# states none (worker.py get_num_available_blocks_tt).
+FALLBACK_KV_TOKENS = 131_072
+
+# tt-metal's device sampler keeps at most 32 candidates: format_sampling_params turns top_k < 1
+# or > 32 into 32 (models/common/sampling). Some adapters state it as `max_device_top_k`.
+DEVICE_TOP_K = 32
+
+# The variable each model family reads to find its checkpoint: tt_transformers' ModelArgs
+# asserts HF_MODEL ("Please set HF_MODEL to a HuggingFace name ..."), the Galaxy Llama demo's
+# TtModelArgs reads LLAMA_DIR (the plugin README's Galaxy example), DeepSeek V3's bridge raises
+# without DEEPSEEK_V3_HF_MODEL. Keyed by the module that defines the class.
+_CHECKPOINT_VARIABLES = {
+    "models.tt_transformers.": "HF_MODEL",
+    "models.demos.llama3_70b_galaxy.": "LLAMA_DIR",
+    "models.demos.deepseek_v3.": "DEEPSEEK_V3_HF_MODEL",
+}
+
+# Modules that import vLLM at their top (tt_transformers' generator_vllm: gemma3_mm, mistral3,
+# MULTIMODAL_REGISTRY; the Galaxy one: vllm.envs), so importing any class in them needs vLLM.
+VLLM_IMPORTING_MODULES = ("models.tt_transformers.tt.generator_vllm", "models.demos.llama3_70b_galaxy.tt.generator_vllm")
+
+# What a tt-metal host installs for those modules: the vLLM build tt-metal's LLMs table pins,
+# built by the plugin's docs/install-vllm-tt.sh (vLLM 0.25.1, VLLM_TARGET_DEVICE=empty,
+# --no-deps). PyPI's vllm would bring a CUDA torch over tt-metal's own.
+VLLM_FIX = ("install the vLLM build tt-metal pins into this Python (vllm-tt-plugin's "
+            "docs/install-vllm-tt.sh builds vLLM 0.25.1 with VLLM_TARGET_DEVICE=empty; see README "
+            "'Tenstorrent hosts'), or serve the model from an EXTRA_MODELS_DIR bundle that does not import vLLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    """A selected tt-metal class as these rules see it: its name, the module that defines it and
+    the selector value (TT_LLAMA_TEXT_VER, ...) that chose it, if any."""
+    class_name: str
+    module: str
+    variant: str | None = None
+
+    @classmethod
+    def of(cls, target: str, variant: str | None = None) -> ModelFamily:
+        """From a registry target, "module:Class"."""
+        module, _, name = target.partition(":")
+        return cls(name.rsplit(".", 1)[-1], module, variant)
+
+    @property
+    def is_galaxy_generator(self) -> bool:
+        return self.variant in GALAXY_GENERATOR_VERSIONS.values()
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.class_name == _DEEPSEEK
+
+    @property
+    def imports_vllm(self) -> bool:
+        return self.module in VLLM_IMPORTING_MODULES
+
+    @property
+    def checkpoint_variable(self) -> str | None:
+        return next((var for prefix, var in _CHECKPOINT_VARIABLES.items() if self.module.startswith(prefix)), None)
+
+
+def folds_dp_into_lanes(family: ModelFamily, env: Mapping[str, str]) -> bool:
+    """Whether the class runs every lane in one process (the plugin's `_model_folds_dp_into_lanes`:
+    a Galaxy generator version selected in the environment, or GPT-OSS)."""
+    if any(env.get(var) == version for var, version in GALAXY_GENERATOR_VERSIONS.items()):
+        return True
+    return family.class_name == _GPT_OSS
+
+
+def tt_data_parallel(family: ModelFamily, num_lanes: int, spec: MeshSpec) -> int:
+    """The `tt_data_parallel` that `initialize_vllm_model` gets: the lane count (what the plugin
+    passes), except DeepSeek V3, whose bridge accepts only the mesh's device count."""
+    return spec.num_devices if family.is_deepseek else num_lanes
+
+
+# tt_transformers ModelArgs: supported_batches = {1, 2, 4, 8, 16, 32} (each submesh's rows).
+_TT_TRANSFORMERS_BATCHES = frozenset({1, 2, 4, 8, 16, 32})
+
+
+def data_parallel_problem(family: ModelFamily, num_lanes: int, max_num_seqs: int, spec: MeshSpec) -> str | None:
+    """Why `initialize_vllm_model` would refuse this lane count on this mesh, with what to do."""
+    if family.is_galaxy_generator and num_lanes % spec.cols:
+        # llama3_70b_galaxy generator_vllm: "Total DP must be divisible by dp_attention_factor",
+        # the factor being mesh_device.shape[1].
+        multiples = ", ".join(str(spec.cols * k) for k in (1, 2, 3))
+        return (f"--data-parallel-size {num_lanes}: the Galaxy generator {family.variant} splits its "
+                f"lanes over the mesh's {spec.cols} columns (dp_attention_factor of MESH_DEVICE="
+                f"{spec.name}, {spec.rows}x{spec.cols}), so the lane count must be a multiple of "
+                f"{spec.cols}: use {multiples}, ...")
+    if family.module.startswith("models.tt_transformers.") and max_num_seqs not in _TT_TRANSFORMERS_BATCHES:
+        # model_config.py ModelArgs: "Batch size {max_batch_size} not supported" (per submesh).
+        return (f"--max-num-seqs {max_num_seqs}: tt_transformers' ModelArgs supports batch sizes "
+                f"{', '.join(map(str, sorted(_TT_TRANSFORMERS_BATCHES)))} per lane; choose one of them")
+    if family.is_deepseek and (num_lanes * max_num_seqs) % spec.num_devices:
+        return (f"--max-num-seqs {max_num_seqs}: DeepSeek V3 splits its {num_lanes * max_num_seqs} rows "
+                f"over the mesh's {spec.num_devices} devices, so the rows must be a multiple of "
+                f"{spec.num_devices}")
+    return None
+
+
+def optimizations_problem(family: ModelFamily, options: Mapping[str, Any]) -> str | None:
+    """The Galaxy and DeepSeek generators assert `optimizations is None`."""
+    if "optimizations" in options and (family.is_galaxy_generator or family.is_deepseek):
+        return (f"tt.optimizations = {options['optimizations']!r}: {family.module}:{family.class_name} "
+                "takes no custom optimizations (it asserts optimizations is None); unset it")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointEnvironment:
+    """What the worker sets in its environment before the model is built, and why it cannot."""
+    to_set: dict[str, str]
+    notes: list[str]
+    problem: str | None = None
+
+
+def checkpoint_environment(family: ModelFamily, model_path: Path, env: Mapping[str, str]) -> CheckpointEnvironment:
+    """The checkpoint variable the class reads, set from --model; refused when the environment
+    already names another checkpoint (the weights would not be the ones config.json describes)."""
+    notes = []
+    if "TT_CACHE_PATH" in env:
+        notes.append(f"TT_CACHE_PATH={env['TT_CACHE_PATH']} (weight cache; tt-metal appends the device name)")
+    var = family.checkpoint_variable
+    if var is None:
+        return CheckpointEnvironment({}, notes)
+    current = env.get(var)
+    if not current:
+        return CheckpointEnvironment({var: str(model_path)}, notes + [f"{var}={model_path} (set from --model)"])
+    if _same_path(current, model_path):
+        return CheckpointEnvironment({}, notes + [f"{var}={current} (already set, names --model)"])
+    return CheckpointEnvironment({}, notes, (
+        f"{var}={current} names another checkpoint than --model {model_path}; {family.class_name} "
+        f"loads its weights from {var}: unset it (the worker sets it from --model) or pass the same folder"))
+
+
+def _same_path(value: str, model_path: Path) -> bool:
+    try:
+        return Path(value).expanduser().resolve() == model_path.resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def apply_environment(to_set: Mapping[str, str]) -> None:
+    """Sets the checkpoint variables in this process, where tt-metal's model code reads them."""
+    os.environ.update(to_set)
+
+
+@dataclass(frozen=True, slots=True)
+class KvBudget:
+    tokens_per_lane: int
+    source: str   # where the number comes from, for the plan and the start-up log
+
+
+def kv_budget(model_cls: type, *, model_name: str, num_devices: int, tt_data_parallel: int, max_model_len: int,
+              max_num_seqs: int, block_size: int) -> KvBudget:
+    """KV tokens per lane as the plugin sizes them (worker.py get_num_available_blocks_tt): the
+    class's `get_max_tokens_all_users`, or 131072 for a class without one, plus one block per
+    row of headroom. Any other exception of the class's method is its refusal and propagates."""
+    headroom = block_size * max_num_seqs
+    try:
+        stated = model_cls.get_max_tokens_all_users(
+            model_name=model_name, num_devices=num_devices, tt_data_parallel=tt_data_parallel,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    except AttributeError:
+        return KvBudget(FALLBACK_KV_TOKENS + headroom,
+                        f"{FALLBACK_KV_TOKENS} (the plugin's fallback: {model_cls.__name__} states no "
+                        f"get_max_tokens_all_users) + {block_size}x{max_num_seqs} headroom")
+    return KvBudget(int(stated) + headroom, f"{int(stated)} ({model_cls.__name__}.get_max_tokens_all_users for "
+                                            f"{num_devices} device(s), tt_data_parallel {tt_data_parallel}) + "
+                                            f"{block_size}x{max_num_seqs} headroom")
+
+
+def device_top_k(capabilities: Mapping[str, Any]) -> int:
+    """The largest top_k the model's device sampler honours exactly."""
+    return int(capabilities.get("max_device_top_k") or DEVICE_TOP_K)
