@@ -10,6 +10,8 @@ USAGE = """ttserve COMMAND [flags]
 
 commands:
   up        gateway, control plane and worker on this host (default: SmolLM2 on the CPU)
+  check     the preflight: `ttserve check [flags of up]` validates every service's flags and
+            prints the worker's plan (mesh, model class, lanes, KV budget) without opening a device
   gateway   the OpenAI-compatible HTTP API
   control   the control plane (scheduler, KV blocks, admission)
   worker    a device worker
@@ -27,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "up":
         from .up import up
         return up(rest)
+    if command == "check":
+        from .check import check
+        return check(rest)
     if command == "model":
         return _model(rest)
     if command == "gateway":

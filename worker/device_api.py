@@ -147,6 +147,7 @@ class TtnnDevice:
         self._keeps_inputs = False                         # known once the model is built
         self._next_positions: torch.Tensor | None = None
         self._active: torch.Tensor | None = None           # the last decode's rows; None after prefill
+        self._page_table: torch.Tensor | None = None       # the last decode's page table
 
     @property
     def resident_tokens(self) -> bool:
@@ -216,7 +217,7 @@ class TtnnDevice:
                progress: Progress) -> None:
         self.backend.warmup(model, kv_cache, max_batch_size=config.num_lanes * config.max_num_seqs,
                             num_blocks=page_table_width, progress=progress)
-        self._next_positions = self._active = None  # warmup ran the traces on dummy inputs
+        self._next_positions = self._active = self._page_table = None  # warmup ran the traces on dummy inputs
 
     def sampling_params(self, batch: SamplingBatch, seeds: list[int | None]) -> Any:
         """tt-metal's own SamplingParams (lists per row); seeds instead of host generators, None
@@ -230,7 +231,7 @@ class TtnnDevice:
                               seed=list(seeds))
 
     def prefill(self, model: Any, **kwargs: Any) -> Any:
-        self._next_positions = self._active = None
+        self._next_positions = self._active = self._page_table = None
         out = self.backend.prefill(model, **kwargs)
         return out.reshape(-1) if kwargs.get("sampling_params") is not None else out
 
@@ -262,10 +263,12 @@ class TtnnDevice:
             tokens[rows, 0] = self._host_tokens(model, previous)[rows].to(tokens.dtype)
         rows_changed = self._active is None or not torch.equal(active, self._active)
         reset = not resident if on_device and self.traced("decode") else rows_changed
+        table = page_table.masked_fill(~active[:, None], 0)
+        table_changed = self._page_table is None or not torch.equal(table, self._page_table)
         pending = self.backend.launch_decode(
-            model, sampling_params=sampling_params, reset_batch=reset, tokens=tokens, start_pos=start_pos,
-            page_table=page_table.masked_fill(~active[:, None], 0), **kwargs)
-        self._active = active
+            model, sampling_params=sampling_params, reset_batch=reset, inputs_resident=resident,
+            page_table_changed=table_changed, tokens=tokens, start_pos=start_pos, page_table=table, **kwargs)
+        self._active, self._page_table = active, table
         self._next_positions = (torch.where(active, start_pos + 1, start_pos)
                                 if on_device and self._keeps_inputs else None)
         return pending
@@ -284,7 +287,7 @@ class TtnnDevice:
 
     def reset(self) -> None:
         """The next decode reloads its inputs from the host (a new step stream's rows)."""
-        self._next_positions = self._active = None
+        self._next_positions = self._active = self._page_table = None
 
     def close(self) -> None:
         self.backend.close()

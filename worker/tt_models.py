@@ -126,8 +126,9 @@ def data_parallel_problem(family: ModelFamily, num_lanes: int, max_num_seqs: int
 
 
 def optimizations_problem(family: ModelFamily, options: Mapping[str, Any]) -> str | None:
-    """The Galaxy and DeepSeek generators assert `optimizations is None`."""
-    if "optimizations" in options and (family.is_galaxy_generator or family.is_deepseek):
+    """The Galaxy, GPT-OSS and DeepSeek generators assert `optimizations is None`."""
+    if "optimizations" in options and (family.is_galaxy_generator or family.is_deepseek
+                                       or family.class_name == _GPT_OSS):
         return (f"tt.optimizations = {options['optimizations']!r}: {family.module}:{family.class_name} "
                 "takes no custom optimizations (it asserts optimizations is None); unset it")
     return None

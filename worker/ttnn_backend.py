@@ -452,16 +452,18 @@ class TtnnBackend:
         return self.trace.decode and _takes_reset_batch(type(model))
 
     def decode(self, model: Any, *, sampling_params: Any = None, reset_batch: bool | None = None,
-               **kwargs: Any) -> Any:
+               inputs_resident: bool = False, page_table_changed: bool = True, **kwargs: Any) -> Any:
         """A decode step read back before returning: token ids [rows] when `sampling_params`
         asks the device to sample, else logits."""
+        commands = _decode_commands(model, reset_batch, inputs_resident, page_table_changed, sampling_params)
         with _device_errors("decode"):
-            out = model.decode_forward(**kwargs, **_reset(model, reset_batch), sampling_params=sampling_params,
+            out = model.decode_forward(**kwargs, **commands, sampling_params=sampling_params,
                                        enable_trace=self.trace.decode, read_from_device=False)
             host = model.read_decode_output(out, async_read=False)
             return host_output(model.process_decode_output_host(host, is_tokens=sampling_params is not None))
 
     def launch_decode(self, model: Any, *, sampling_params: Any = None, reset_batch: bool | None = None,
+                      inputs_resident: bool = False, page_table_changed: bool = True,
                       **kwargs: Any) -> PendingDecode:
         """Starts a decode step and its non-blocking readback; finish it with `finish_decode`.
 
@@ -470,8 +472,9 @@ class TtnnBackend:
         positions the previous decode left on the device. The readback is enqueued right after
         the step, before any later step can overwrite the trace's output."""
         assert self._in_flight < MAX_DECODES_IN_FLIGHT, "finish a decode before launching a third"
+        commands = _decode_commands(model, reset_batch, inputs_resident, page_table_changed, sampling_params)
         with _device_errors("decode"):
-            out = model.decode_forward(**kwargs, **_reset(model, reset_batch), sampling_params=sampling_params,
+            out = model.decode_forward(**kwargs, **commands, sampling_params=sampling_params,
                                        enable_trace=self.trace.decode, read_from_device=False)
             host_out, events = model.read_decode_output(out, async_read=True)
         self._in_flight += 1
@@ -508,7 +511,21 @@ def host_output(out: Any) -> Any:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _reset(model: Any, reset_batch: bool | None) -> dict[str, bool]:
+def _decode_commands(model: Any, reset_batch: bool | None, inputs_resident: bool, page_table_changed: bool,
+                     sampling_params: Any) -> dict[str, bool]:
+    """How a decode tells the model which of its device-resident inputs are stale.
+
+    Adapters of the decode input-update contract (`decode_input_update_contract = 1`, tt-metal
+    models/common/decode_contract.py) take four explicit commands and refuse the legacy
+    `reset_batch`: the host inputs reload unless the decode runs on the ones the last decode left
+    on the device (`inputs_resident`); then only a changed page table is copied (a full reload
+    restages it anyway); sampling parameters and state reload with a reset device-sampled batch.
+    Older generators take `reset_batch` (or not at all) and notice a changed page table themselves.
+    """
+    if _input_update_contract(type(model)) == 1:
+        sampling = bool(reset_batch) and sampling_params is not None
+        return {"reload_inputs": not inputs_resident, "reload_page_table": inputs_resident and page_table_changed,
+                "reload_sampling_params": sampling, "reset_sampling_state": sampling}
     if reset_batch is None:
         return {}
     if not _takes_reset_batch(type(model)):
@@ -520,9 +537,15 @@ def _reset(model: Any, reset_batch: bool | None) -> dict[str, bool]:
 
 
 @functools.lru_cache(maxsize=None)
+def _input_update_contract(model_cls: type) -> int:
+    return int(getattr(model_cls, "decode_input_update_contract", 0) or 0)
+
+
+@functools.lru_cache(maxsize=None)
 def _takes_reset_batch(model_cls: type) -> bool:
-    """Asked every decode step: inspect.signature costs tens of µs, so once per model class."""
-    return _takes_keyword(model_cls.decode_forward, "reset_batch")
+    """Asked every decode step: inspect.signature costs tens of µs, so once per model class. An
+    adapter of the input-update contract is told the same through its own commands."""
+    return _input_update_contract(model_cls) == 1 or _takes_keyword(model_cls.decode_forward, "reset_batch")
 
 
 def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:

@@ -23,9 +23,24 @@ What it models of the device, as tt-metal's generator and model do it:
 - The trace's output tensor is one buffer per sampling mode, overwritten by the next replay;
   read_decode_output snapshots it at the time of the call (the non-blocking read is enqueued
   on the command queue right behind the step).
+- The paged KV cache (`kv`: (block id, offset) -> the token whose K/V sits there). A prefill
+  writes every position it computes. A resumed prefill (start_pos > 0) is floored to the
+  generator's alignment, lcm(block_size, q_chunk_size) with q_chunk_size 256 for a padded
+  length of 2048 or more and 64 below (tt_transformers Generator.prefill_forward_text with
+  model_config.py's SDPA_PROGCFG; models/common/model_capabilities.py floor_to_alignment), and
+  recomputes from there: it reads `tokens` below start_pos and rewrites those positions.
+- The device sampler keeps at most 32 candidates: tt-metal's format_sampling_params turns a
+  top_k below 1 or above 32 into 32 (models/common/sampling); `clamped_top_k` lists the rows
+  it did that to, which sample from another distribution than the one asked for.
+- `decode_contract=1` mirrors the adapters that declare `decode_input_update_contract = 1`
+  (tt-metal models/common/decode_contract.py): each decode takes the four commands
+  reload_inputs, reload_page_table, reload_sampling_params, reset_sampling_state, refuses the
+  legacy `reset_batch` ("reset_batch is not part of the decode input-update contract ...") and
+  reload_page_table together with reload_inputs.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,8 +82,16 @@ class TraceInputs:
     page_table: torch.Tensor | None
 
 
+MAX_DEVICE_TOP_K = 32  # format_sampling_params' literal
+
+
+def q_chunk_size(padded_len: int) -> int:
+    """SDPA_PROGCFG's q_chunk_size for a prefill from offset 0 (model_config.py)."""
+    return 256 if padded_len >= 2048 else 64
+
+
 def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, vocab_size: int = 64,
-                     takes_reset_batch: bool = True) -> type:
+                     takes_reset_batch: bool = True, decode_contract: int = 0) -> type:
     recorder = ttnn.recorder
 
     class FakeTtModel:
@@ -87,6 +110,8 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
             self.prev_sampling_on_device: bool | None = None
             self.prev_page_table: torch.Tensor | None = None
             self.seeds: list[int | None] | None = None   # applied at the last reset_batch
+            self.block_size: int | None = None
+            self.kv: dict[tuple[int, int], int] = {}      # (block id, offset) -> token
 
         @classmethod
         def initialize_vllm_model(cls, hf_config: Any, mesh_device: Any, max_batch_size: int,
@@ -100,6 +125,7 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
         def allocate_kv_cache(self, kv_cache_shape: tuple, dtype: Any, num_layers: int) -> list:
             recorder.add("model.allocate_kv_cache", kv_cache_shape=kv_cache_shape, dtype=dtype,
                          num_layers=num_layers)
+            self.block_size = kv_cache_shape[2]
             return [["kv"] * num_layers]
 
         def warmup_model_prefill(self, kv_cache: Any, enable_trace: bool, can_sample_on_device: bool,
@@ -118,6 +144,24 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
                          can_sample_on_device=can_sample_on_device)
 
         # ---- steps ----
+        def _clamp_top_k(self, sampling_params: Any, rows: int) -> None:
+            if sampling_params is None:
+                return
+            clamped = [row for row in range(rows) if _row(sampling_params.temperature, row) > 0
+                       and not 1 <= _row(sampling_params.top_k, row) <= MAX_DEVICE_TOP_K]
+            if clamped:
+                recorder.add("model.clamped_top_k", rows=clamped)
+
+        def _write_kv(self, tokens: torch.Tensor, page_table: torch.Tensor, start: int, end: int, row: int) -> int:
+            """Writes positions [floor(start), end) of a prefill row; returns the floor."""
+            if start > 0:
+                alignment = math.lcm(self.block_size, q_chunk_size(tokens.shape[1]))
+                start = (start // alignment) * alignment
+            for pos in range(start, end):
+                block = int(page_table[row, pos // self.block_size])
+                self.kv[(block, pos % self.block_size)] = int(tokens[row, pos])
+            return start
+
         def _sample(self, token: int, position: int, row: int, sampling_params: Any) -> int:
             target = next_token(token, position, self.vocab_size)
             if sampling_params is None or _row(sampling_params.temperature, row) <= 0:
@@ -139,6 +183,11 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
                          enable_trace=enable_trace)
             self.mode = "prefill"
             ends = prompt_lens.tolist()
+            if self.block_size is not None:
+                floors = [self._write_kv(tokens, page_table, s, e, i)
+                          for i, (s, e) in enumerate(zip(start_pos.tolist(), ends))]
+                recorder.add("model.prefill_recomputed_from", floors=floors)
+            self._clamp_top_k(sampling_params, len(ends))
             targets = [next_token(int(tokens[i, end - 1]), end - 1, self.vocab_size) for i, end in enumerate(ends)]
             if sampling_params is None:
                 return self._logits(targets)
@@ -173,6 +222,7 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
                            read_from_device: bool = True, sampling_params: Any = None,
                            reset_batch: bool = False) -> Any:
             on_device = sampling_params is not None
+            self._clamp_top_k(sampling_params, tokens.shape[0])
             inputs, source = self._decode_inputs(tokens, start_pos, page_table, enable_trace, on_device,
                                                  reset_batch)
             recorder.add("model.decode_forward", tokens=tokens.reshape(-1).tolist(), start_pos=start_pos.tolist(),
@@ -206,6 +256,35 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
             recorder.add("model.process_decode_output_host", is_tokens=is_tokens)
             out = torch.tensor(tt_out.values).reshape(-1, 1) if is_tokens else self._logits(tt_out.values)
             return out, torch.ones(out.shape[0])
+
+    if decode_contract == 1:
+        class ContractFakeTtModel(FakeTtModel):
+            """An adapter of the decode input-update contract, version 1."""
+            decode_input_update_contract = 1
+
+            def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: Any = None,
+                               kv_cache: Any = None, enable_trace: bool = True, read_from_device: bool = True,
+                               sampling_params: Any = None, *, reload_inputs: bool, reload_page_table: bool,
+                               reload_sampling_params: bool, reset_sampling_state: bool, **kwargs: Any) -> Any:
+                if "reset_batch" in kwargs:  # decode_contract.reject_legacy_reload_signal
+                    raise ValueError(f"reset_batch is not part of the decode input-update contract; the vLLM "
+                                     f"build driving {type(self).__name__} predates it. Upgrade the vLLM pin to a "
+                                     "build that sends reload_inputs / reload_page_table / "
+                                     "reload_sampling_params / reset_sampling_state.")
+                if reload_inputs and reload_page_table:  # decode_contract.decode_input_staging
+                    raise ValueError("reload_page_table is the page-table-only copy and is meaningless with "
+                                     "reload_inputs=True, which already restages page tables")
+                changed = self.prev_page_table is None or not torch.equal(self.prev_page_table, page_table)
+                if enable_trace and changed and not (reload_inputs or reload_page_table):
+                    recorder.add("model.stale_page_table")  # the trace would read the old block table
+                recorder.add("model.decode_commands", reload_inputs=reload_inputs,
+                             reload_page_table=reload_page_table, reload_sampling_params=reload_sampling_params,
+                             reset_sampling_state=reset_sampling_state)
+                # The commands say what the older generator inferred: a full reload is a reset.
+                return super().decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace,
+                                              read_from_device, sampling_params, reset_batch=reload_inputs)
+
+        return ContractFakeTtModel
 
     if takes_reset_batch:
         return FakeTtModel

@@ -54,8 +54,10 @@ class MeshShape:
 
 
 class FakeMesh:
-    def __init__(self, recorder: Recorder, name: str, num_devices: int, submeshes: int = 0) -> None:
+    def __init__(self, recorder: Recorder, name: str, num_devices: int, submeshes: int = 0,
+                 shape: tuple[int, int] | None = None) -> None:
         self.recorder, self.name, self._num_devices = recorder, name, num_devices
+        self.shape = shape or (1, num_devices)  # ttnn.MeshDevice.shape: (rows, cols), indexable
         self._submeshes = [FakeMesh(recorder, f"{name}/{i}", num_devices // max(submeshes, 1))
                            for i in range(submeshes)]
 
@@ -110,7 +112,8 @@ class FakeTtnn:
 
     def open_mesh_device(self, mesh_shape: MeshShape | None = None, **kwargs: Any) -> FakeMesh:
         self._record("open_mesh_device", mesh_shape=mesh_shape, **kwargs)
-        return FakeMesh(self.recorder, "mesh", mesh_shape.rows * mesh_shape.cols, self.submeshes)
+        return FakeMesh(self.recorder, "mesh", mesh_shape.rows * mesh_shape.cols, self.submeshes,
+                        (mesh_shape.rows, mesh_shape.cols))
 
     def close_mesh_device(self, mesh: FakeMesh) -> None:
         self._record("close_mesh_device", mesh=mesh.name)

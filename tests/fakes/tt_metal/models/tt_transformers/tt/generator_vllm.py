@@ -1,0 +1,81 @@
+"""Mirrors tt-metal models/tt_transformers/tt/generator_vllm.py: the classes the TT vLLM plugin
+registers for text models, with the behaviours ttserve must honour:
+- vLLM is imported at module top (the real module imports vllm.model_executor.models.gemma3_mm,
+  mistral3, interfaces, vllm.multimodal's MULTIMODAL_REGISTRY and processing): without vLLM no
+  class here imports;
+- initialize_vllm_model builds ModelArgs per data-parallel submesh, which asserts HF_MODEL and
+  supports batch sizes 1, 2, 4, 8, 16, 32 (max_batch_size // tt_data_parallel each);
+- get_max_tokens_all_users states the KV budget of the configurations tt-metal sized, else
+  ModelCapabilitiesMixin's 131072;
+- GptOssForCausalLM asserts `optimizations is None`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: F401 - imported at the top, as the real module does
+
+from models.tt_transformers.tt.generator import Generator, is_wormhole_b0
+from models.tt_transformers.tt.model_config import ModelArgs
+
+_CAPS = {"supports_prefix_caching": True, "supports_async_decode": True, "supports_sample_on_device": True}
+
+
+class _TextGenerator(Generator):
+    model_capabilities = _CAPS
+
+    @classmethod
+    def initialize_vllm_model(cls, hf_config: Any, mesh_device: Any, max_batch_size: int, max_seq_len: int,
+                              n_layers: int | None = None, tt_data_parallel: int = 1,
+                              optimizations: str = "performance") -> Any:
+        for _ in range(tt_data_parallel):
+            ModelArgs(mesh_device, instruct=True, max_batch_size=max_batch_size // tt_data_parallel,
+                      max_seq_len=max_seq_len)
+        return super().initialize_vllm_model(hf_config, mesh_device, max_batch_size, max_seq_len, n_layers,
+                                             tt_data_parallel, optimizations)
+
+
+class LlamaForCausalLM(_TextGenerator):
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 **kwargs: Any) -> int:
+        if "Llama-3.1-8B" in model_name and num_devices // tt_data_parallel == 1 and is_wormhole_b0():
+            return 32_768
+        return super().get_max_tokens_all_users(model_name=model_name, num_devices=num_devices,
+                                                tt_data_parallel=tt_data_parallel, **kwargs)
+
+
+class QwenForCausalLM(_TextGenerator):
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 **kwargs: Any) -> int:
+        devices = num_devices // tt_data_parallel
+        if "Qwen3-8B" in model_name and devices == 1 and is_wormhole_b0():
+            return 32_768
+        if "Qwen2.5-14B" in model_name and devices == 2 and is_wormhole_b0():
+            return 65_536
+        return super().get_max_tokens_all_users(model_name=model_name, num_devices=num_devices,
+                                                tt_data_parallel=tt_data_parallel, **kwargs)
+
+
+class MistralForCausalLM(_TextGenerator):
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 **kwargs: Any) -> int:
+        if "Mistral-7B" in model_name and num_devices // tt_data_parallel == 1 and is_wormhole_b0():
+            return 65_536
+        return super().get_max_tokens_all_users(model_name=model_name, num_devices=num_devices,
+                                                tt_data_parallel=tt_data_parallel, **kwargs)
+
+
+class GptOssForCausalLM(_TextGenerator):
+    model_capabilities = {"supports_prefix_caching": False, "supports_async_decode": True,
+                          "supports_sample_on_device": True}
+
+    @classmethod
+    def initialize_vllm_model(cls, hf_config: Any, mesh_device: Any, max_batch_size: int, max_seq_len: int,
+                              n_layers: int | None = None, tt_data_parallel: int = 1,
+                              optimizations: str | None = None) -> Any:
+        assert optimizations is None, "Custom optimizations are not supported for this model"
+        return super().initialize_vllm_model(hf_config, mesh_device, max_batch_size, max_seq_len, n_layers,
+                                             tt_data_parallel, None)

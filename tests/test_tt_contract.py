@@ -1,0 +1,408 @@
+"""The ttnn path against tt-metal's and the TT vLLM plugin's real behaviour, one test per row of
+the contract (README "Tenstorrent hosts"), on fakes that mirror the real files: tests/fakes/
+tt_metal (tt-metal's `models/` tree: generator_vllm importing vLLM at its top, ModelArgs asserting
+HF_MODEL, the Galaxy generator's divisibility assert, get_max_tokens_all_users) and
+tests/fakes/fake_tt_model.py (resume-offset flooring that rewrites the tokens before start_pos,
+the 32-candidate device sampler, the decode input-update contract)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fakes import fake_tt_generator
+from fakes.fake_tt_model import make_model_class
+from fakes.fake_ttnn import FabricConfig, FakeTtnn
+
+from ttserve.worker import config as worker_config
+from ttserve.worker.batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch
+from ttserve.worker.device_api import TtnnDevice
+from ttserve.worker.mesh import fabric_for, resolve_mesh
+from ttserve.worker.preflight import Serving, plan_worker
+from ttserve.worker.registry import ModelLoadError, build_registry
+from ttserve.worker.runner import DeviceOptions, ModelRunner, StepError
+from ttserve.worker.server import DeviceService
+from ttserve.worker.ttnn_backend import ChipProbe, TtnnBackend
+
+TREE = Path(__file__).parent / "fakes" / "tt_metal"
+TESTS = Path(__file__).parent
+GALAXY_ENV = {"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy"}
+
+
+@pytest.fixture
+def tt_metal(monkeypatch):
+    """tt-metal's models/ tree (the fake) importable for one test; each test imports it afresh."""
+    def loaded() -> set[str]:
+        return {m for m in sys.modules if m == "models" or m.startswith("models.")}
+
+    before = loaded()
+    for name in before:  # e.g. fake_tt_generator's stand-ins: hidden for the length of the test
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(TREE))
+    yield
+    for name in loaded():
+        del sys.modules[name]
+
+
+@pytest.fixture
+def no_hf_model(monkeypatch):
+    """HF_MODEL (and LLAMA_DIR) unset, and restored after: the worker sets them in os.environ."""
+    for var in ("HF_MODEL", "LLAMA_DIR"):
+        monkeypatch.setenv(var, "placeholder")
+        monkeypatch.delenv(var)
+
+
+def checkpoint(root: Path, name: str = "Llama-3.1-8B-Instruct", arch: str = "LlamaForCausalLM") -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": [arch], "model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "max_position_embeddings": 131072, "eos_token_id": 2}))
+    return folder
+
+
+def tree_runner(model_dir: Path, cls_path: str, mesh: str, *, env=None, variant=None, block_size=64,
+                **tt) -> tuple[ModelRunner, FakeTtnn]:
+    import importlib
+    module, _, name = cls_path.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    from models.tt_transformers.tt.generator import TTNN
+    spec = resolve_mesh(mesh, 32)
+    device = TtnnDevice(TtnnBackend(spec, tt, ttnn=TTNN), variant, env if env is not None else os.environ)
+    runner = ModelRunner(model_dir, cls, "LlamaForCausalLM", torch.device("cpu"), torch.bfloat16,
+                         block_size=block_size, kv_cache_bytes=0, options=DeviceOptions(tt, backend_traces=True),
+                         device_api=device)
+    return runner, TTNN
+
+
+def warm(runner: ModelRunner, num_lanes=1, max_num_seqs=1, max_model_len=4096) -> None:
+    runner.warmup(ServingConfig(num_lanes=num_lanes, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                max_num_batched_tokens=max_model_len), lambda *_: None)
+
+
+def chips(num_devices: int = 1, cluster: str = "N150") -> ChipProbe:
+    return ChipProbe(True, f"{num_devices} wormhole_b0 chip(s), cluster {cluster}", num_devices, "wormhole_b0",
+                     cluster in ("GALAXY", "TG"), cluster)
+
+
+def worker_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    return worker_config.parse_args(parser, list(argv))
+
+
+# ---- vLLM at the top of generator_vllm.py -----------------------------------------------------
+
+def test_a_missing_vllm_is_named_with_its_fix_not_blamed_on_pythonpath(tt_metal, monkeypatch):
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an uninstalled package looks like to import
+    with pytest.raises(ModelLoadError) as e:
+        build_registry("ttnn", {}).resolve(["LlamaForCausalLM"])
+    message = str(e.value)
+    assert "imports vLLM at its top" in message and "install-vllm-tt.sh" in message, message
+    assert "PYTHONPATH" not in message and "\n" not in message
+
+
+def test_with_vllm_the_built_in_classes_import_from_tt_metal(tt_metal):
+    _, cls = build_registry("ttnn", {}).resolve(["LlamaForCausalLM"])
+    assert cls.__module__ == "models.tt_transformers.tt.generator_vllm" and cls.__name__ == "LlamaForCausalLM"
+
+
+def test_the_worker_refuses_to_start_without_vllm_in_one_line(tt_metal, monkeypatch, tmp_path):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else _find(name))
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path))), {},
+                       probe=lambda: chips())
+    assert any("imports vLLM at its top" in p and "VLLM_TARGET_DEVICE=empty" in p for p in plan.fatal), plan.problems
+
+
+_real_find_spec = __import__("importlib.util").util.find_spec
+
+
+def _find(name: str):
+    return _real_find_spec(name)
+
+
+# ---- HF_MODEL: ModelArgs refuses to build without it -----------------------------------------
+
+def test_hf_model_is_set_from_model_before_tt_metal_builds_its_model_args(tt_metal, no_hf_model, tmp_path):
+    model_dir = checkpoint(tmp_path)
+    runner, ttnn = tree_runner(model_dir, "models.tt_transformers.tt.generator_vllm:LlamaForCausalLM", "N150")
+    warm(runner)
+    assert os.environ["HF_MODEL"] == str(model_dir)
+    assert ttnn.recorder.only("model.initialize_vllm_model")
+
+
+def test_an_hf_model_naming_other_weights_is_refused_before_the_mesh_opens(tt_metal, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_MODEL", str(tmp_path / "elsewhere"))
+    runner, ttnn = tree_runner(checkpoint(tmp_path), "models.tt_transformers.tt.generator_vllm:LlamaForCausalLM",
+                               "N150")
+    with pytest.raises(ValueError, match="HF_MODEL=.*elsewhere names another checkpoint than --model"):
+        warm(runner)
+    assert "ttnn.open_mesh_device" not in ttnn.recorder.names()
+
+
+def test_the_galaxy_demo_reads_llama_dir(tt_metal, no_hf_model, tmp_path):
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path))),
+                       {**GALAXY_ENV, "MESH_DEVICE": "TG"}, probe=lambda: chips(32, "GALAXY"))
+    assert plan.environment.to_set == {"LLAMA_DIR": str(tmp_path / "Llama-3.1-8B-Instruct")}, plan.problems
+
+
+# ---- lanes: folded by the plugin's rule, and the Galaxy divisibility assert --------------------
+
+@pytest.mark.parametrize("cls_path, env, variant, folded", [
+    ("models.tt_transformers.tt.generator_vllm:LlamaForCausalLM", {}, "tt_transformers", False),
+    ("models.demos.llama3_70b_galaxy.tt.generator_vllm:LlamaForCausalLM", GALAXY_ENV, "llama3_70b_galaxy", True),
+    ("models.tt_transformers.tt.generator_vllm:GptOssForCausalLM", {}, None, True),
+])
+def test_the_worker_reports_lanes_in_process_as_the_plugin_folds_them(tt_metal, tmp_path, cls_path, env, variant,
+                                                                      folded):
+    runner, _ = tree_runner(checkpoint(tmp_path), cls_path, "TG", env=env, variant=variant)
+    described = DeviceService(runner, "ttnn", "mesh TG")._describe()
+    assert described.capabilities.single_execute_lanes is folded
+
+
+def test_a_galaxy_lane_count_off_the_mesh_columns_is_refused_before_weights_load(tt_metal, no_hf_model, tmp_path):
+    runner, ttnn = tree_runner(checkpoint(tmp_path), "models.demos.llama3_70b_galaxy.tt.generator_vllm:LlamaForCausalLM",
+                               "TG", env=GALAXY_ENV, variant="llama3_70b_galaxy")
+    with pytest.raises(ValueError, match="lane count must be a multiple of 4: use 4, 8, 12"):
+        warm(runner, num_lanes=3, max_num_seqs=8)
+    assert not ttnn.recorder.only("model.initialize_vllm_model")
+
+
+def test_a_galaxy_gets_its_lane_count_as_tt_data_parallel_and_every_row(tt_metal, no_hf_model, tmp_path):
+    runner, ttnn = tree_runner(checkpoint(tmp_path), "models.demos.llama3_70b_galaxy.tt.generator_vllm:LlamaForCausalLM",
+                               "TG", env=GALAXY_ENV, variant="llama3_70b_galaxy")
+    warm(runner, num_lanes=4, max_num_seqs=8)
+    [init] = ttnn.recorder.only("model.initialize_vllm_model")
+    assert (init["tt_data_parallel"], init["max_batch_size"]) == (4, 32)
+
+
+# ---- the KV budget: get_max_tokens_all_users plus headroom --------------------------------------
+
+@pytest.mark.parametrize("name, tokens", [("Llama-3.1-8B-Instruct", 32_768), ("Llama-3.2-1B", 131_072)])
+def test_the_kv_cache_is_sized_by_the_model_not_a_fixed_131072(tt_metal, no_hf_model, tmp_path, name, tokens):
+    runner, _ = tree_runner(checkpoint(tmp_path, name), "models.tt_transformers.tt.generator_vllm:LlamaForCausalLM",
+                            "N150")
+    warm(runner, max_num_seqs=2, max_model_len=131072)
+    assert runner.layout.num_blocks_per_lane == (tokens + 64 * 2) // 64
+
+
+def test_the_check_states_the_kv_budget_and_where_it_comes_from(tt_metal, no_hf_model, tmp_path):
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path))),
+                       {"MESH_DEVICE": "N150"}, serving=Serving(max_num_seqs=32), need_hardware=False,
+                       probe=lambda: ChipProbe(False, "no Tenstorrent chips detected on this host"))
+    assert not plan.fatal, plan.fatal
+    assert any("34816 tokens per lane = 32768 (LlamaForCausalLM.get_max_tokens_all_users" in line
+               for line in plan.lines), plan.lines
+    assert "plan not verified against hardware: no Tenstorrent chips detected on this host" in plan.warnings
+
+
+# ---- prefill rows carry the real tokens: the generator floors resume offsets -------------------
+
+PROMPT = list(range(10, 50))  # 40 tokens
+
+
+def fake_runner(model_dir: Path, monkeypatch, block_size=32, decode_contract=0, **tt) -> tuple[ModelRunner, FakeTtnn]:
+    fake_tt_generator.install(monkeypatch)
+    ttnn = FakeTtnn()
+    runner = ModelRunner(model_dir, make_model_class(ttnn, decode_contract=decode_contract), "LlamaForCausalLM",
+                         torch.device("cpu"), torch.bfloat16, block_size=block_size, kv_cache_bytes=0,
+                         options=DeviceOptions(tt, backend_traces=True, kv_tokens_per_lane=4096),
+                         device_api=TtnnDevice(TtnnBackend(resolve_mesh("N300", 2), tt, ttnn=ttnn)))
+    warm(runner, max_num_seqs=4, max_model_len=256)
+    return runner, ttnn
+
+
+def greedy(rid: str, row: int) -> NewRequest:
+    return NewRequest(rid, 0, row, 0.0, 1.0, 0, None)
+
+
+def test_a_prefix_hit_that_the_generator_floors_rewrites_the_shared_block_with_the_real_tokens(tmp_path, monkeypatch):
+    runner, ttnn = fake_runner(checkpoint(tmp_path), monkeypatch)
+    runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)],
+                             prefill=[PrefillChunk("a", PROMPT, 0, [3, 4], True)]))
+    # b shares a's first block (32 tokens): its first chunk starts at 32, which the generator
+    # floors to lcm(32, 64) = 64 -> 0 and recomputes, writing block 3 again.
+    runner.execute(StepBatch(2, "prefill", new_requests=[greedy("b", 1)], prefill=[
+        PrefillChunk("b", [7] * 8, 32, [3, 9], True, cached_token_ids=PROMPT[:32])]))
+    model = runner.model
+    assert ttnn.recorder.only("model.prefill_recomputed_from")[-1]["floors"] == [0]
+    assert [model.kv[(3, i)] for i in range(32)] == PROMPT[:32]  # a's KV intact
+    assert [model.kv[(9, i)] for i in range(8)] == [7] * 8
+
+
+def test_chunked_prefill_rows_hold_the_earlier_chunks(tmp_path, monkeypatch):
+    runner, ttnn = fake_runner(checkpoint(tmp_path), monkeypatch)
+    runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)],
+                             prefill=[PrefillChunk("a", PROMPT[:32], 0, [3], False)]))
+    runner.execute(StepBatch(2, "prefill", prefill=[PrefillChunk("a", PROMPT[32:], 32, [4], True)]))
+    [tokens] = ttnn.recorder.only("model.prefill_forward")[-1]["tokens"].tolist()
+    assert tokens == PROMPT
+    assert [runner.model.kv[(3 + i // 32, i % 32)] for i in range(40)] == PROMPT
+
+
+def test_a_chunk_past_what_the_worker_holds_of_its_request_fails_the_step(tmp_path, monkeypatch):
+    runner, _ = fake_runner(checkpoint(tmp_path), monkeypatch)
+    with pytest.raises(StepError, match="a prefill chunk at position 32, but the worker holds 0 of its tokens"):
+        runner.execute(StepBatch(1, "prefill", new_requests=[greedy("b", 1)],
+                                 prefill=[PrefillChunk("b", [7] * 8, 32, [3, 9], True)]))
+
+
+def test_the_control_plane_sends_the_cached_prefix_with_a_hit_requests_first_chunk():
+    from ttserve.control.blocks import BlockPool
+    from ttserve.control.phase import PhasePolicy
+    from ttserve.control.request import Request, SamplingParams
+    from ttserve.control.scheduler import Scheduler, SchedulerConfig
+    from ttserve.control.wire import step_batch_to_pb
+
+    s = Scheduler(SchedulerConfig(4, 8, 64), BlockPool(32, 4, enable_caching=True), policy=PhasePolicy(4))
+    prompt = list(range(10, 22))  # three blocks of 4
+
+    def step() -> object:
+        plan = s.schedule()
+        sampled = {w.request.request_id: 7 for w in plan.prefill if w.sample} | {
+            w.request.request_id: 7 for w in plan.decode}
+        s.update(plan, sampled, {})
+        return step_batch_to_pb(1, plan.kind, [plan], 4)
+
+    s.add(Request("a", prompt, SamplingParams(max_tokens=8, eos_token_ids=frozenset({2}))))
+    first = step()
+    assert [list(c.cached_token_ids) for c in first.prefill] == [[]]  # a cold request: nothing cached
+    s.add(Request("b", prompt[:8] + [99] * 12, SamplingParams(max_tokens=2, eos_token_ids=frozenset({2}))))
+    chunks = [c for c in step().prefill if c.request_id == "b"]
+    assert chunks[0].start_pos == 8 and list(chunks[0].cached_token_ids) == prompt[:8]
+    later = [c for c in step().prefill if c.request_id == "b"]
+    assert later and later[0].start_pos > 8 and not later[0].cached_token_ids  # the worker holds it now
+
+
+# ---- device sampling: top_k == 1 means top_p 0; the sampler keeps 32 candidates ------------------
+
+def sampled(rid: str, row: int, temperature: float, top_k: int, top_p: float = 0.9) -> NewRequest:
+    return NewRequest(rid, 0, row, temperature, top_p, top_k, 7)
+
+
+def test_a_top_k_1_row_goes_to_the_device_with_top_p_0(tmp_path, monkeypatch):
+    runner, ttnn = fake_runner(checkpoint(tmp_path), monkeypatch, sample_on_device_mode="all")
+    result = runner.execute(StepBatch(1, "prefill", new_requests=[sampled("a", 0, 0.7, 1)],
+                                      prefill=[PrefillChunk("a", PROMPT, 0, [3, 4], True)]))
+    assert result.sampled_on_device
+    params = ttnn.recorder.only("model.prefill_forward")[-1]["sampling_params"]
+    assert (params.top_k, params.top_p) == ([1], [0.0])
+
+
+@pytest.mark.parametrize("top_k", [0, 33, 50])
+def test_a_row_needing_more_than_32_candidates_is_sampled_on_the_host(tmp_path, monkeypatch, top_k):
+    runner, ttnn = fake_runner(checkpoint(tmp_path), monkeypatch, sample_on_device_mode="all")
+    batch = StepBatch(1, "prefill", new_requests=[sampled("a", 0, 0.7, top_k), sampled("b", 1, 0.7, 20)],
+                      prefill=[PrefillChunk("a", PROMPT, 0, [3, 4], True), PrefillChunk("b", PROMPT, 0, [5, 6], True)])
+    result = runner.execute(batch)
+    assert not result.sampled_on_device and set(result.tokens) == {"a", "b"}
+    assert not ttnn.recorder.only("model.clamped_top_k")
+    decode = runner.execute(StepBatch(2, "decode", decode=[DecodeItem("a", result.tokens["a"], 40, []),
+                                                           DecodeItem("b", result.tokens["b"], 40, [])]))
+    assert not decode.sampled_on_device and not ttnn.recorder.only("model.clamped_top_k")
+
+
+def test_rows_within_the_device_top_k_stay_on_the_device(tmp_path, monkeypatch):
+    runner, ttnn = fake_runner(checkpoint(tmp_path), monkeypatch, sample_on_device_mode="all")
+    result = runner.execute(StepBatch(1, "prefill", new_requests=[sampled("a", 0, 0.7, 32), sampled("b", 1, 0.0, 0)],
+                                      prefill=[PrefillChunk("a", PROMPT, 0, [3, 4], True),
+                                               PrefillChunk("b", PROMPT, 0, [5, 6], True)]))
+    assert result.sampled_on_device
+
+
+# ---- the decode input-update contract -------------------------------------------------------------
+
+def test_an_input_update_contract_adapter_gets_its_commands_never_reset_batch(tmp_path, monkeypatch):
+    runner, ttnn = fake_runner(checkpoint(tmp_path), monkeypatch, decode_contract=1, sample_on_device_mode="all")
+    first = runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)],
+                                     prefill=[PrefillChunk("a", PROMPT[:31], 0, [3], True)]))
+    token, step = first.tokens["a"], 2
+    for position, blocks in ((31, []), (32, [4]), (33, [])):
+        out = runner.execute(StepBatch(step, "decode", decode=[DecodeItem("a", token, position, blocks)]))
+        token, step = out.tokens["a"], step + 1
+    commands = ttnn.recorder.only("model.decode_commands")
+    assert [c["reload_inputs"] for c in commands] == [True, False, False]
+    assert [c["reload_page_table"] for c in commands] == [False, True, False]  # the block appended at 32
+    assert not ttnn.recorder.only("model.stale_page_table")
+
+
+# ---- fabric from the cluster type ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh, cluster, fabric", [
+    ("T3K", "GALAXY", "FABRIC_1D_RING"), ("T3K", "T3K", "FABRIC_1D"), ("P150x4", "BLACKHOLE_GALAXY", "FABRIC_2D_TORUS_XY"),
+    ("TG", "GALAXY", "FABRIC_1D_RING"), ("N150", "GALAXY", None)])
+def test_the_default_fabric_follows_the_hosts_cluster_type(mesh, cluster, fabric):
+    assert fabric_for(resolve_mesh(mesh, 32), None, cluster) == fabric
+
+
+def test_a_t3k_submesh_on_a_galaxy_opens_with_the_ring(tmp_path):
+    ttnn = FakeTtnn()
+    TtnnBackend(resolve_mesh("T3K", 32), {}, ttnn=ttnn, cluster="GALAXY").open()
+    [fabric] = ttnn.recorder.only("ttnn.set_fabric_config")
+    assert fabric["config"] is FabricConfig.FABRIC_1D_RING
+
+
+# ---- the smaller rows ------------------------------------------------------------------------------
+
+def test_register_test_models_adds_tt_metals_dummy_models():
+    assert "TTDummyNoOpModel" not in build_registry("ttnn", {}).names()
+    assert {"TTDummyNoOpModel", "TTDummyT3000MultiProcessModel", "TTDummyDualGlxModel"} <= set(
+        build_registry("ttnn", {}, test_models=True).names())
+
+
+def test_the_sim_refuses_a_mesh_device_that_names_no_mesh(monkeypatch, smollm2):
+    monkeypatch.setenv("MESH_DEVICE", "Q999")
+    with pytest.raises(worker_config.StartupError, match="MESH_DEVICE='Q999' is not a mesh"):
+        worker_config.build_service(worker_args("--backend", "sim", "--model", str(smollm2)))
+
+
+def test_galaxy_generators_take_no_custom_optimizations(tt_metal, tmp_path):
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path)),
+                                   "--additional-config.tt.optimizations", "accuracy"),
+                       {**GALAXY_ENV, "MESH_DEVICE": "TG"}, probe=lambda: chips(32, "GALAXY"))
+    assert any("takes no custom optimizations" in p for p in plan.fatal), plan.problems
+
+
+# ---- ttserve check, as an operator runs it -----------------------------------------------------------
+
+def run_check(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("HF_MODEL", "LLAMA_DIR", "MESH_DEVICE")}
+    environ.update(env, PYTHONPATH=os.pathsep.join([str(TREE), str(TESTS)]))
+    return subprocess.run([sys.executable, "-m", "ttserve.cli", "check", *argv], capture_output=True, text=True,
+                          env=environ, timeout=120)
+
+
+def test_check_refuses_a_galaxy_lane_count_that_is_not_a_multiple_of_4(tmp_path):
+    done = run_check("--backend", "ttnn", "--model", str(checkpoint(tmp_path)), "--data-parallel-size", "3",
+                     env={"MESH_DEVICE": "TG", **GALAXY_ENV})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "lane count must be a multiple of 4" in done.stdout
+    assert "models.demos.llama3_70b_galaxy.tt.generator_vllm:LlamaForCausalLM" in done.stdout
+
+
+def test_check_prints_the_plan_of_a_good_configuration_and_passes_without_chips(tmp_path):
+    done = run_check("--backend", "ttnn", "--model", str(checkpoint(tmp_path)),
+                     "--additional-config.tt.sample_on_device_mode", "all", "--max-num-seqs", "32",
+                     env={"MESH_DEVICE": "N150"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    for expected in ("mesh:", "N150 1x1", "TTLlamaForCausalLM (tt_transformers)", "HF_MODEL=", "(set from --model)",
+                     "34816 tokens per lane", "tt_data_parallel=1", "async decode: on", "sampling:     on device",
+                     "warning: worker: plan not verified against hardware"):
+        assert expected in out, (expected, out)
+
+
+def test_check_fails_on_each_services_bad_flags(tmp_path):
+    done = run_check("--backend", "ttnn", "--model", str(checkpoint(tmp_path)), "--max-num-seqs", "12",
+                     "--additional-config.tt.rank_binding", "ranks.yaml", env={"MESH_DEVICE": "N150"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "tt.rank_binding = 'ranks.yaml' configures the TT vLLM plugin's multi-rank launch" in done.stdout
+    assert "--max-num-seqs 12: tt_transformers' ModelArgs supports batch sizes 1, 2, 4, 8, 16, 32" in done.stdout
