@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="prefill tokens per step; longer prompts are prefilled in chunks")
     g.add_argument("--max-model-len", type=int, default=0,
-                   help="longest sequence (prompt + output); default the model's own limit")
+                   help="longest sequence (prompt + output); default (0) the model's own limit, "
+                        "lowered with a warning to what one lane's KV cache holds; -1: fit one "
+                        "request to a lane's whole KV cache")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="reuse KV blocks of shared prompt prefixes (if the model supports it)")
     g.add_argument("--max-consecutive-prefill-steps", type=int, default=2,
@@ -57,6 +59,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                               "parallelism on Tenstorrent lives in the mesh; set MESH_DEVICE on the worker")
     if args.max_num_seqs < 1:
         raise ConfigError(f"--max-num-seqs must be a positive per-lane count, got {args.max_num_seqs}")
+    if args.max_model_len < -1:
+        raise ConfigError(f"--max-model-len must be a token count, 0 (the model's own limit) or -1 (fit "
+                          f"to the KV cache), got {args.max_model_len}")
     if args.max_num_batched_tokens < 1:
         raise ConfigError(f"--max-num-batched-tokens must be positive, got {args.max_num_batched_tokens}")
     if args.data_parallel_size < 1:

@@ -172,9 +172,10 @@ class Engine:
         """The first worker fixes the serving limits; later ones must serve the same model and
         hold a max_model_len sequence in one lane."""
         if self.serving is None:
-            max_model_len = self.config.max_model_len or d.max_position_embeddings
+            # --max-model-len -1 fits one request to a lane's whole KV cache (vLLM's meaning).
+            max_model_len = max(self.config.max_model_len, 0) or d.max_position_embeddings
             if lane_capacity < max_model_len:
-                log.warning("max_model_len lowered from %d to %d: one lane's KV cache holds %d tokens",
+                (log.info if self.config.max_model_len == -1 else log.warning)("max_model_len lowered from %d to %d: one lane's KV cache holds %d tokens",
                             max_model_len, lane_capacity, lane_capacity)
                 max_model_len = lane_capacity
             self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len, d.block_size)

@@ -152,7 +152,7 @@ class WorkerGroup:
                 log.info("waiting for worker: %s", e)
                 await asyncio.sleep(self.config.reconnect_interval_s)
         num_lanes = self._lanes_for(described)
-        max_model_len = self.config.max_model_len or described.max_position_embeddings
+        max_model_len = max(self.config.max_model_len, 0) or described.max_position_embeddings
         if max_model_len > described.max_position_embeddings:
             raise StartupError(
                 f"--max-model-len {max_model_len} exceeds the model's limit of "

@@ -7,6 +7,7 @@ the 32-candidate device sampler, the decode input-update contract)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -406,3 +407,81 @@ def test_check_fails_on_each_services_bad_flags(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "tt.rank_binding = 'ranks.yaml' configures the TT vLLM plugin's multi-rank launch" in done.stdout
     assert "--max-num-seqs 12: tt_transformers' ModelArgs supports batch sizes 1, 2, 4, 8, 16, 32" in done.stdout
+
+
+# ---- KV cache shape and dtype; DeepSeek's data parallelism -----------------------------------------
+
+def test_a_hybrid_attention_class_allocates_per_layer_in_the_checkpoints_dtype(tmp_path, monkeypatch):
+    fake_tt_generator.install(monkeypatch)
+    ttnn = FakeTtnn()
+
+    class Hybrid(make_model_class(ttnn)):
+        def allocate_kv_cache_per_layer(self, per_layer_specs):  # generator_vllm HybridAttentionForCausalLM
+            ttnn.recorder.add("model.allocate_kv_cache_per_layer", specs=per_layer_specs)
+            self.block_size = per_layer_specs[0][0][2]
+            return [["kv"] for _ in per_layer_specs]
+
+    model_dir = checkpoint(tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    runner = ModelRunner(model_dir, Hybrid, "LlamaForCausalLM", torch.device("cpu"), torch.bfloat16, block_size=32,
+                         kv_cache_bytes=0, options=DeviceOptions({}, backend_traces=True, kv_tokens_per_lane=4096),
+                         device_api=TtnnDevice(TtnnBackend(resolve_mesh("N300", 2), {}, ttnn=ttnn)))
+    warm(runner, max_num_seqs=4, max_model_len=256)
+    [call] = ttnn.recorder.only("model.allocate_kv_cache_per_layer")
+    assert call["specs"] == [((32, 1, 32, 16), torch.float16, 0), ((32, 1, 32, 16), torch.float16, 1)]
+    assert not ttnn.recorder.only("model.allocate_kv_cache")
+
+
+def test_deepseek_gets_the_mesh_device_count_as_tt_data_parallel():
+    from ttserve.worker.tt_models import ModelFamily, data_parallel_problem, tt_data_parallel
+    family = ModelFamily.of("models.demos.deepseek_v3.tt.generator_vllm:DeepseekV3ForCausalLM")
+    tg = resolve_mesh("TG", 32)
+    assert tt_data_parallel(family, 1, tg) == 32 and family.checkpoint_variable == "DEEPSEEK_V3_HF_MODEL"
+    assert data_parallel_problem(family, 1, 32, tg) is None
+    assert "rows must be a multiple of 32" in data_parallel_problem(family, 1, 16, tg)
+
+
+# ---- --max-model-len -1: one request fits a lane's whole KV cache ------------------------------------
+
+def test_max_model_len_minus_1_fits_a_lane_and_below_is_refused(tmp_path):
+    from ttserve.control import config as control_config
+    from ttserve.control.engine import Engine
+    from ttserve.control.wire import WorkerDescription
+
+    parser = argparse.ArgumentParser()
+    control_config.add_arguments(parser)
+    with pytest.raises(control_config.ConfigError, match="-1 \\(fit to the KV cache\\), got -2"):
+        control_config.engine_config(parser.parse_args(["--max-model-len", "-2"]))
+    described = WorkerDescription("w", "ttnn", "mesh", str(tmp_path), "LlamaForCausalLM", 64, 131072, [2],
+                                  True, True, block_size=64)
+
+    async def limits() -> int:
+        engine = Engine(control_config.engine_config(parser.parse_args(["--max-model-len", "-1"])))
+        return engine._check_limits(described, 34816).max_model_len
+
+    assert asyncio.run(limits()) == 34816
+
+
+def test_a_generator_emitting_several_tokens_per_step_is_refused(tmp_path, monkeypatch):
+    fake_tt_generator.install(monkeypatch)
+    ttnn = FakeTtnn()
+
+    class Speculative(make_model_class(ttnn)):
+        model_capabilities = {"supports_prefix_caching": True, "output_tokens_per_step": 2}
+
+    runner = ModelRunner(checkpoint(tmp_path), Speculative, "LlamaForCausalLM", torch.device("cpu"), torch.bfloat16,
+                         block_size=32, kv_cache_bytes=0, options=DeviceOptions({}, backend_traces=True),
+                         device_api=TtnnDevice(TtnnBackend(resolve_mesh("N300", 2), {}, ttnn=ttnn)))
+    with pytest.raises(ValueError, match="output_tokens_per_step = 2; ttserve's decode steps take one token"):
+        warm(runner)
+
+
+def test_check_passes_the_embedded_default_and_refuses_a_bad_control_flag(smollm2):
+    done = run_check(env={})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "backend:      torch" in done.stdout and "nothing found that would stop start-up" in done.stdout
+    done = run_check("--max-num-seqs", "0", "--port", "50051", env={})
+    assert done.returncode == 1
+    assert "error: control plane: --max-num-seqs must be a positive per-lane count, got 0" in done.stdout
+    assert "error: port 50051 is given to 2 services" in done.stdout

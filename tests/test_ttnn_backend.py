@@ -184,7 +184,7 @@ def test_the_optimizations_option_reaches_the_model_and_a_model_without_it_is_re
 
 def test_kv_heads_are_split_over_a_lanes_chips():
     assert TtnnBackend(mesh("T3K"), {}).kv_cache_shape(100, 8, 64, 128) == (100, 1, 64, 128)
-    assert TtnnBackend(mesh("TG"), {}).kv_cache_shape(100, 8, 64, 128, num_lanes=4) == (100, 1, 64, 128)
+    assert TtnnBackend(mesh("TG"), {}).kv_cache_shape(100, 8, 64, 128, tt_data_parallel=4) == (100, 1, 64, 128)
     assert TtnnBackend(mesh("N300"), {}).kv_cache_shape(100, 8, 64, 128) == (100, 4, 64, 128)
     assert TtnnBackend(mesh("N150"), {}).kv_cache_shape(100, 8, 64, 128) == (100, 8, 64, 128)
     assert TtnnBackend(mesh("TG"), {}).kv_cache_shape(100, 8, 64, 128) == (100, 1, 64, 128)

@@ -39,12 +39,12 @@ def check(argv: list[str], out: TextIO = sys.stdout) -> int:
     problems += [(True, f"port {port} is given to {n} services") for port, n in ports.items() if n > 1]
 
     serving = Serving(data_parallel_size=control.data_parallel_size, max_num_seqs=control.max_num_seqs,
-                      max_model_len=control.max_model_len, enable_prefix_caching=control.enable_prefix_caching)
+                      max_model_len=max(control.max_model_len, 0), enable_prefix_caching=control.enable_prefix_caching)
     plan = plan_worker(worker, serving=serving, need_hardware=False)
     problems += [(p.fatal, f"worker: {p.text}") for p in plan.problems]
     if plan.model_path is not None:
         problems += [(True, f"gateway: {p}") for p in _gateway_problems(gateway, str(plan.model_path),
-                                                                     control.max_model_len or int(
+                                                                     max(control.max_model_len, 0) or int(
                                                                          plan.hf_config.get("max_position_embeddings", 2048)))]
 
     print("ttserve check: the plan (no device opened, no weights read)", file=out)

@@ -148,6 +148,7 @@ class TtnnDevice:
         self._next_positions: torch.Tensor | None = None
         self._active: torch.Tensor | None = None           # the last decode's rows; None after prefill
         self._page_table: torch.Tensor | None = None       # the last decode's page table
+        self.kv_dtype = torch.bfloat16                     # the model config's, once initialized
 
     @property
     def resident_tokens(self) -> bool:
@@ -174,10 +175,11 @@ class TtnnDevice:
     def check(self, model_cls: type, model_path: Path, config: ServingConfig) -> None:
         """Refuses (ValueError, before any weight loads) a serving configuration the class would
         assert on, and a checkpoint variable that names other weights."""
-        from .tt_models import checkpoint_environment, data_parallel_problem
+        from .tt_models import capability_problem, checkpoint_environment, data_parallel_problem
         family = self.family(model_cls)
         problem = (data_parallel_problem(family, config.num_lanes, config.max_num_seqs, self.backend.spec)
-                   or checkpoint_environment(family, model_path, self.env).problem)
+                   or checkpoint_environment(family, model_path, self.env).problem
+                   or capability_problem(model_cls.__name__, getattr(model_cls, "model_capabilities", None) or {}))
         if problem:
             raise ValueError(problem)
 
@@ -193,7 +195,8 @@ class TtnnDevice:
         return budget.tokens_per_lane
 
     def initialize(self, model_cls: type, model_path: Path, hf_config: dict, config: ServingConfig) -> Any:
-        from .tt_models import apply_environment, checkpoint_environment, tt_data_parallel
+        from .tt_models import apply_environment, checkpoint_environment, kv_cache_dtype, tt_data_parallel
+        self.kv_dtype = getattr(torch, kv_cache_dtype(hf_config))
         from .ttnn_backend import hf_config_for
         family = self.family(model_cls)
         # tt-metal's model code finds its weights through this variable (HF_MODEL, ...).
@@ -210,8 +213,17 @@ class TtnnDevice:
 
     def allocate_kv_cache(self, model: Any, num_blocks: int, num_kv_heads: int, block_size: int,
                           head_dim: int, num_layers: int, num_lanes: int) -> Any:
-        shape = self.backend.kv_cache_shape(num_blocks, num_kv_heads, block_size, head_dim, num_lanes)
-        return model.allocate_kv_cache(shape, torch.bfloat16, num_layers)
+        """One (K, V) pair per layer, in the model config's dtype. A class with
+        `allocate_kv_cache_per_layer` (tt-metal's hybrid-attention models) gets the per-layer
+        specs, as the plugin prefers; here every layer has the same shape (uniform attention)."""
+        from .tt_models import tt_data_parallel
+        spec = self.backend.spec
+        shape = self.backend.kv_cache_shape(num_blocks, num_kv_heads, block_size, head_dim,
+                                            tt_data_parallel(self.family(type(model)), num_lanes, spec))
+        dtype = self.kv_dtype
+        if callable(getattr(model, "allocate_kv_cache_per_layer", None)):
+            return model.allocate_kv_cache_per_layer([(shape, dtype, layer) for layer in range(num_layers)])
+        return model.allocate_kv_cache(shape, dtype, num_layers)
 
     def warmup(self, model: Any, kv_cache: Any, config: ServingConfig, page_table_width: int,
                progress: Progress) -> None:

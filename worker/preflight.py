@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .mesh import PRESETS, MeshError, MeshSpec, fabric_for, mesh_from_env, resolve_mesh
-from .tt_models import (CheckpointEnvironment, KvBudget, ModelFamily, checkpoint_environment, data_parallel_problem,
-                        device_top_k, folds_dp_into_lanes, kv_budget, optimizations_problem, tt_data_parallel)
+from .tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment,
+                        data_parallel_problem, device_top_k, folds_dp_into_lanes, kv_budget, optimizations_problem, tt_data_parallel)
 
 # resolve_mesh's device count for a plan made without chips: any named mesh fits.
 _UNBOUNDED = 1 << 16
@@ -226,6 +226,9 @@ def _plan_ttnn(plan: WorkerPlan, env: Mapping[str, str], serving: Serving | None
         (plan.refuse if fatal else plan.warn)(str(e) if fatal else f"not verified here: {e}")
     caps = dict(getattr(plan.model_cls, "model_capabilities", None) or {}) if plan.model_cls else {}
     if plan.model_cls is not None:
+        problem = capability_problem(plan.model_cls.__name__, caps)
+        if problem:
+            plan.refuse(problem)
         try:
             for warning in check_model_options(plan.options, caps, plan.architecture or entry.name):
                 plan.warn(warning)

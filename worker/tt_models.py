@@ -201,3 +201,20 @@ def kv_budget(model_cls: type, *, model_name: str, num_devices: int, tt_data_par
 def device_top_k(capabilities: Mapping[str, Any]) -> int:
     """The largest top_k the model's device sampler honours exactly."""
     return int(capabilities.get("max_device_top_k") or DEVICE_TOP_K)
+
+
+def kv_cache_dtype(hf_config: Mapping[str, Any]) -> str:
+    """The KV cache's dtype: the checkpoint's 16-bit dtype, else bfloat16 (the plugin passes the
+    model config's dtype, which vLLM resolves from the checkpoint and never leaves at float32
+    on an accelerator)."""
+    declared = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return declared if declared in ("bfloat16", "float16") else "bfloat16"
+
+
+def capability_problem(class_name: str, capabilities: Mapping[str, Any]) -> str | None:
+    """A declared capability ttserve's step protocol cannot serve (model_capabilities.py keys)."""
+    per_step = capabilities.get("output_tokens_per_step", 1)
+    if per_step != 1:
+        return (f"{class_name} declares output_tokens_per_step = {per_step!r}; ttserve's decode steps take one "
+                "token per row: serve a generator that emits one token per step")
+    return None

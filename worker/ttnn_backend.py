@@ -402,10 +402,11 @@ class TtnnBackend:
                                hf_config, self.mesh, max_batch_size)
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                       num_lanes: int = 1) -> tuple[int, int, int, int]:
-        """The per-layer K (and V) shape `allocate_kv_cache` takes: KV heads split over a lane's chips."""
-        devices_per_lane = max(1, self.spec.num_devices // num_lanes)
-        return (num_blocks, num_kv_heads // min(devices_per_lane, num_kv_heads), block_size, head_dim)
+                       tt_data_parallel: int = 1) -> tuple[int, int, int, int]:
+        """The per-layer K (and V) shape the model allocates: KV heads split over the chips of one
+        data-parallel copy, as the plugin computes it (model_runner.py `_kv_cache_shape`)."""
+        devices = max(1, self.spec.num_devices // tt_data_parallel)
+        return (num_blocks, num_kv_heads // min(devices, num_kv_heads), block_size, head_dim)
 
     # ---- warmup ----
     def warmup(self, model: Any, kv_cache: Any, *, max_batch_size: int, num_blocks: int,
