@@ -100,6 +100,8 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
     for problem in _flag_problems(args):
         plan.refuse(problem)
     _choose_backend(plan, args.backend, need_hardware, probe)
+    if plan.backend == "ttnn" and need_hardware and not plan.hardware_verified:
+        return plan  # nothing to run on: that one line is the answer
     try:
         plan.model_path, not_yet = prepared_folder(args.model)
     except ModelPrepareError as e:
