@@ -18,6 +18,7 @@ import sys
 from ttserve.control.blocks import BlockPool
 from ttserve.control.phase import PhasePolicy
 from ttserve.control.request import Request, SamplingParams
+from ttserve.control.lanes import LaneGroup
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.step import StepKind
 
@@ -25,12 +26,14 @@ PREFILL_FIXED_S, PREFILL_PER_TOKEN_S, DECODE_S = 0.010, 0.00045, 0.030
 
 
 def simulate(bound: int) -> dict:
-    s = Scheduler(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=8192),
-                  BlockPool(4096, 64), policy=PhasePolicy(bound))
+    # The loop production runs: a lane group (here of one lane) whose policy picks each step.
+    s = LaneGroup([Scheduler(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=8192),
+                             BlockPool(4096, 64))], PhasePolicy(bound))
+    lane = s.lanes[0]
     streaming = [Request(f"s{i}", [5] * 64, SamplingParams(max_tokens=10_000, ignore_eos=True)) for i in range(16)]
     burst = [Request(f"b{i}", [6] * 2048, SamplingParams(max_tokens=32, ignore_eos=True)) for i in range(8)]
     for r in streaming:
-        s.add(r)
+        lane.add(r)
     now, arrived, last_token, gaps, first_token = 0.0, False, {}, [], {}
     done_at = None
     while done_at is None or now < done_at + 0.5:  # until the burst is in, plus some decode
@@ -39,7 +42,7 @@ def simulate(bound: int) -> dict:
         if not arrived and now >= 1.0:
             arrived = True
             for r in burst:
-                s.add(r)
+                lane.add(r)
         plan = s.schedule()
         if plan.kind is StepKind.PREFILL:
             now += PREFILL_FIXED_S + PREFILL_PER_TOKEN_S * plan.num_tokens

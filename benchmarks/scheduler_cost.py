@@ -31,13 +31,16 @@ def ttserve_steps(running: int, waiting: int, steps: int, wire: bool = False) ->
     from ttserve.control.blocks import BlockPool
     from ttserve.control.wire import step_batch_to_pb
     from ttserve.control.request import Request, SamplingParams
+    from ttserve.control.lanes import LaneGroup
     from ttserve.control.scheduler import Scheduler, SchedulerConfig
 
-    s = Scheduler(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=8192, max_model_len=4096),
-                  BlockPool(NUM_BLOCKS, BLOCK))
+    # The loop production runs: a lane group, here of one lane.
+    lane = Scheduler(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=8192, max_model_len=4096),
+                     BlockPool(NUM_BLOCKS, BLOCK))
+    s = LaneGroup([lane])
     for i in range(running + waiting):
-        s.add(Request(str(i), [5] * PROMPT, SamplingParams(max_tokens=100_000, ignore_eos=True)))
-    while any(r.is_prefilling for r in s.running) or len(s.running) < running:  # admit everyone
+        lane.add(Request(str(i), [5] * PROMPT, SamplingParams(max_tokens=100_000, ignore_eos=True)))
+    while any(r.is_prefilling for r in lane.running) or len(lane.running) < running:  # admit everyone
         plan = s.schedule()
         s.update(plan, {w.request.request_id: 7 for w in plan.prefill if w.sample})
     times = []
@@ -45,7 +48,7 @@ def ttserve_steps(running: int, waiting: int, steps: int, wire: bool = False) ->
         start = time.perf_counter()
         plan = s.schedule()
         if wire:
-            step_batch_to_pb(1, plan.kind, [plan], running).SerializeToString()
+            step_batch_to_pb(1, plan.kind, plan.lanes, running).SerializeToString()
         s.update(plan, {w.request.request_id: 7 for w in plan.decode})
         times.append(time.perf_counter() - start)
     return times

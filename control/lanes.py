@@ -1,4 +1,5 @@
-"""A lane group: the lanes one device program executes together, stepped as one.
+"""A lane group: the lanes one device program executes together, stepped as one. This is the one
+scheduling loop: a worker with a single lane is a group of one.
 
 Each lane is a Scheduler with its own queues, slots and block pool (lane-local block ids). Every
 step the group picks one shared mode: if any lane can prefill, all lanes run prefill and idle
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from .phase import PhasePolicy
 from .request import Request, TokenLogprobs
 from .scheduler import Scheduler
-from .step import StepKind, StepPlan
+from .step import DecodeWork, PrefillWork, StepKind, StepPlan
 
 
 @dataclass(slots=True)
@@ -25,6 +26,22 @@ class GroupPlan:
     @property
     def has_work(self) -> bool:
         return self.kind is not StepKind.EMPTY or any(p.released_ids for p in self.lanes)
+
+    @property
+    def prefill(self) -> list[PrefillWork]:
+        return [w for lane in self.lanes for w in lane.prefill]
+
+    @property
+    def decode(self) -> list[DecodeWork]:
+        return [w for lane in self.lanes for w in lane.decode]
+
+    @property
+    def released_ids(self) -> list[str]:
+        return [rid for lane in self.lanes for rid in lane.released_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(lane.num_tokens for lane in self.lanes)
 
     @property
     def samples_on_host(self) -> bool:

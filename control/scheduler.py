@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import logging
 
 from .blocks import BlockPool
-from .phase import PhasePolicy
 from .prefix_hash import extend_block_hashes
 from .request import FinishReason, Request, RequestStatus, TokenLogprobs
 from .step import DecodeWork, PrefillWork, StepKind, StepPlan
@@ -40,15 +39,16 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, lane: int = 0,
-                 policy: PhasePolicy | None = None) -> None:
+    """One lane's queues, slots and blocks. The step's kind is chosen by the lane group it belongs
+    to (control/lanes.py), which is also how a single lane is stepped: a group of one."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, lane: int = 0) -> None:
         assert not config.chunked_prefill or min(
             config.max_num_batched_tokens, config.max_prefill_len or pool.block_size) >= pool.block_size, \
             "a chunk must hold at least one block, or chunked prefill cannot progress"
         self.config = config
         self.pool = pool
         self.lane = lane
-        self.policy = policy or PhasePolicy()
         self.waiting: deque[Request] = deque()
         self.skipped: deque[Request] = deque()  # waiting on something other than KV
         self.running: list[Request] = []        # in admission order; the last is preempted first
@@ -84,18 +84,6 @@ class Scheduler:
         return bool(self.waiting or self.running or self._released or self.skipped)
 
     # ---- planning ------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """One step of a lane that runs alone: its own policy picks the kind."""
-        has_decodes = self.has_decodes()
-        kind = self.policy.choose(self.wants_prefill(), has_decodes)
-        plan = self.plan(kind)
-        if kind is StepKind.PREFILL and not plan.prefill and has_decodes:
-            # Liveness: a prefill step that admits nothing (KV pressure) runs as decode, so
-            # finishing decodes free the blocks the prefill waits for.
-            plan = self.plan(StepKind.DECODE, carry=plan)
-        self.policy.record(plan.kind, has_decodes)
-        return plan
-
     def wants_prefill(self) -> bool:
         """Some prefill can run now: a partial prefill, or an admissible head of the queue.
         (Moves requests that are not ready aside first.)"""

@@ -213,7 +213,7 @@ class WorkerGroup:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
             chunked_prefill=warm.supports_chunked_prefill, max_prefill_batch=warm.max_prefill_batch_size,
             max_prefill_len=max(warm.prefill_buckets, default=0))
-        # The group's policy chooses every step's mode (LaneGroup.schedule); a lane's own is unused.
+        # The group's policy chooses every step's mode (LaneGroup.schedule), one per step for all lanes.
         lanes = [Scheduler(config, BlockPool(warm.num_blocks_per_lane, warm.block_size, caching), lane=i)
                  for i in range(num_lanes)]
         log.info("lane group %d: worker %s [%s, %s] runs %d lane(s) x %d seqs %s; %d blocks x %d "

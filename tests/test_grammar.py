@@ -9,6 +9,7 @@ import torch
 
 from ttserve.control.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams
+from lane_of_one import LaneOfOne
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.blocks import BlockPool
 from ttserve.control.phase import PhasePolicy
@@ -104,8 +105,8 @@ def test_structured_output_travels_from_the_add_request():
 
 
 # ---- control plane: the scheduler with grammars ---------------------------------------------
-def scheduler() -> Scheduler:
-    return Scheduler(SchedulerConfig(4, 32, 64), BlockPool(64, 4), policy=PhasePolicy(4))
+def scheduler() -> LaneOfOne:
+    return LaneOfOne(Scheduler(SchedulerConfig(4, 32, 64), BlockPool(64, 4)), PhasePolicy(4))
 
 
 def grammar_request(compiler, rid: str, spec: GrammarSpec, max_tokens: int = 16) -> Request:
@@ -124,7 +125,7 @@ def test_grammar_rows_carry_its_bitmask_and_a_complete_grammar_forces_eos(compil
         plan = s.schedule()
         works = [w for w in plan.prefill if w.sample] + plan.decode
         assert len(works) == 1 and works[0].bitmask == request.grammar.bitmask()
-        pb = step_batch_to_pb(1, plan.kind, [plan], 4)
+        pb = step_batch_to_pb(1, plan.kind, plan.lanes, 4)
         assert (pb.prefill or pb.decode)[0].token_bitmask == works[0].bitmask
         s.update(plan, {"g": token})
     # Complete: only EOS is allowed, and the request ends on it (as vLLM's engine does).

@@ -13,6 +13,8 @@ from ttserve.control.request import FinishReason, Request, RequestStatus, Sampli
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.step import StepKind, StepPlan
 from ttserve.control.wire import output_to_pb, request_from_pb, step_batch_to_pb
+from lane_of_one import LaneOfOne
+from ttserve.control.lanes import GroupPlan
 from ttserve.v1 import engine_pb2
 
 EOS = 2
@@ -25,13 +27,13 @@ def make(rid: str, prompt_len: int, max_tokens: int = 4, **sampling) -> Request:
 
 def scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 4,
               budget: int = 32, max_model_len: int = 64, caching: bool = False,
-              max_consecutive_prefills: int = 4, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, **config),
-                     BlockPool(num_blocks, block_size, enable_caching=caching),
-                     policy=PhasePolicy(max_consecutive_prefills))
+              max_consecutive_prefills: int = 4, **config) -> LaneOfOne:
+    return LaneOfOne(Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, **config),
+                               BlockPool(num_blocks, block_size, enable_caching=caching)),
+                     PhasePolicy(max_consecutive_prefills))
 
 
-def run_step(s: Scheduler, token: int = 7) -> StepPlan:
+def run_step(s: LaneOfOne, token: int = 7) -> GroupPlan:
     """One step with a worker that samples `token` for every request that samples."""
     plan = s.schedule()
     sampled = {w.request.request_id: token for w in plan.prefill if w.sample}
@@ -426,7 +428,7 @@ def test_new_request_carries_host_options_and_its_whole_history_on_resume():
     s.add(r)
     s.add(plain)
     plan = s.schedule()
-    new = {n.request_id: n for n in step_batch_to_pb(1, plan.kind, [plan], 4).new_requests}
+    new = {n.request_id: n for n in step_batch_to_pb(1, plan.kind, plan.lanes, 4).new_requests}
     assert list(new["a"].prompt_token_ids) == r.prompt_token_ids and not new["a"].output_token_ids
     d = new["a"].sampling
     assert (d.repetition_penalty, d.frequency_penalty, d.logprobs) == (pytest.approx(1.2), 0.5, 2)
@@ -437,7 +439,7 @@ def test_new_request_carries_host_options_and_its_whole_history_on_resume():
     run_step(s)
     s._preempt(r)
     plan = s.schedule()
-    resumed = step_batch_to_pb(2, plan.kind, [plan], 4).new_requests[0]
+    resumed = step_batch_to_pb(2, plan.kind, plan.lanes, 4).new_requests[0]
     assert list(resumed.output_token_ids) == [7, 7] and resumed.num_output_tokens == 2
 
 

@@ -263,7 +263,8 @@ def test_the_control_plane_sends_the_cached_prefix_with_a_hit_requests_first_chu
     from ttserve.control.scheduler import Scheduler, SchedulerConfig
     from ttserve.control.wire import step_batch_to_pb
 
-    s = Scheduler(SchedulerConfig(4, 8, 64), BlockPool(32, 4, enable_caching=True), policy=PhasePolicy(4))
+    from ttserve.control.lanes import LaneGroup
+    s = LaneGroup([Scheduler(SchedulerConfig(4, 8, 64), BlockPool(32, 4, enable_caching=True))], PhasePolicy(4))
     prompt = list(range(10, 22))  # three blocks of 4
 
     def step() -> object:
@@ -271,12 +272,12 @@ def test_the_control_plane_sends_the_cached_prefix_with_a_hit_requests_first_chu
         sampled = {w.request.request_id: 7 for w in plan.prefill if w.sample} | {
             w.request.request_id: 7 for w in plan.decode}
         s.update(plan, sampled, {})
-        return step_batch_to_pb(1, plan.kind, [plan], 4)
+        return step_batch_to_pb(1, plan.kind, plan.lanes, 4)
 
-    s.add(Request("a", prompt, SamplingParams(max_tokens=8, eos_token_ids=frozenset({2}))))
+    s.lanes[0].add(Request("a", prompt, SamplingParams(max_tokens=8, eos_token_ids=frozenset({2}))))
     first = step()
     assert [list(c.cached_token_ids) for c in first.prefill] == [[]]  # a cold request: nothing cached
-    s.add(Request("b", prompt[:8] + [99] * 12, SamplingParams(max_tokens=2, eos_token_ids=frozenset({2}))))
+    s.lanes[0].add(Request("b", prompt[:8] + [99] * 12, SamplingParams(max_tokens=2, eos_token_ids=frozenset({2}))))
     chunks = [c for c in step().prefill if c.request_id == "b"]
     assert chunks[0].start_pos == 8 and list(chunks[0].cached_token_ids) == prompt[:8]
     later = [c for c in step().prefill if c.request_id == "b"]
