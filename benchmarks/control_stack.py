@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Iterator
 
-from ttserve.client import EngineClient
+from ttserve.client import ControlClient
 
 
 def free_port() -> int:
@@ -19,7 +19,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def control_stack(worker_args: list[list[str]], control_args: list[str],
-                  timeout_s: float = 300) -> Iterator[EngineClient]:
+                  timeout_s: float = 300) -> Iterator[ControlClient]:
     """One worker per entry of `worker_args` under one control plane; yields a client once
     every worker is ready, and stops everything on exit."""
     ports = [free_port() for _ in worker_args]
@@ -39,7 +39,7 @@ def control_stack(worker_args: list[list[str]], control_args: list[str],
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise SystemExit(f"the stack ({control_args}) did not come up; run it by hand to see why")
             time.sleep(0.3)
-        client = EngineClient(address)
+        client = ControlClient(address)
         try:
             yield client
         finally:
@@ -52,7 +52,7 @@ def control_stack(worker_args: list[list[str]], control_args: list[str],
 
 def _ready(address: str) -> bool:
     try:
-        info = EngineClient(address).server_info()
+        info = ControlClient(address).server_info()
     except Exception:
         return False
     return info.ready and all(w.ready for w in info.workers)

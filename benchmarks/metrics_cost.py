@@ -4,7 +4,8 @@ results cost it: building each request's RequestOutput for its client (`output_t
 Every step, each running request gains one token, and the engine both publishes it and counts it
 (TTFT, inter-token latency, token counters). Measured in one run, per step of N running requests:
   - baseline: output_to_pb for every request (work the control plane does anyway);
-  - ttserve:  ControlMetrics.progressed for every request (TokenHistogram and plain tallies);
+  - ttserve:  Request.record_tokens and ControlMetrics.progressed for every request (the arrival
+              recorded on the request, then TokenHistogram and plain tallies);
   - naive:    the same observations through prometheus_client's Histogram and labelled Counter.
 Reports microseconds per step and the ratios ttserve / baseline and naive / baseline.
 
@@ -55,6 +56,18 @@ def publish(request: Request, now: float) -> None:
     output_to_pb(request)
 
 
+def ttserve_metrics() -> Callable[[Request, float], None]:
+    """What Engine._publish does per request with news: record the arrival, count it."""
+    metrics = ControlMetrics()
+
+    def work(request: Request, now: float) -> None:
+        arrival = request.record_tokens(now)
+        if arrival is not None:
+            metrics.progressed(request, arrival)
+
+    return work
+
+
 def naive_metrics() -> Callable[[Request, float], None]:
     registry = CollectorRegistry()
     itl = Histogram("naive_itl_seconds", "ITL.", buckets=ITL_BUCKETS, registry=registry)
@@ -79,7 +92,7 @@ def main() -> None:
     rounds = {"baseline": [], "ttserve": [], "naive": []}
     for _ in range(args.rounds):
         rounds["baseline"].append(per_step(args.running, args.steps, publish))
-        rounds["ttserve"].append(per_step(args.running, args.steps, ControlMetrics().progressed))
+        rounds["ttserve"].append(per_step(args.running, args.steps, ttserve_metrics()))
         rounds["naive"].append(per_step(args.running, args.steps, naive_metrics()))
     us = {k: statistics.median(v) for k, v in rounds.items()}
     print(json.dumps({"running": args.running, "us_per_step": {k: round(v, 1) for k, v in us.items()},

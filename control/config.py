@@ -5,7 +5,8 @@ import argparse
 import asyncio
 import logging
 
-from .engine import Engine, EngineConfig
+from .engine import Engine
+from .engine_config import EngineConfig
 
 log = logging.getLogger("ttserve.control")
 

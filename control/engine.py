@@ -13,13 +13,14 @@ from ttserve.v1 import engine_pb2
 from .admission import AdmissionError, Limits, check_request
 from .grammar import Grammar, GrammarCompiler, GrammarError
 from .metrics import ControlMetrics
-from .placement import Candidate, choose_lane
+from .engine_config import EngineConfig, ServingLimits
+from .placement import choose_lane
 from .request import FinishReason, Request
 from .wire import WorkerDescription, admission_pb, output_to_pb, request_from_pb
-from .worker_group import EngineConfig, ServingLimits, StartupError, WorkerGroup
+from .worker_group import IncompatibleWorker, WorkerGroup, WorkerLost
 from .worker_link import WorkerError
 
-__all__ = ["Engine", "EngineConfig", "StartupError"]
+__all__ = ["Engine", "EngineConfig", "IncompatibleWorker"]
 
 log = logging.getLogger(__name__)
 # One line per finished request, key=value pairs (logfmt), for log pipelines to parse.
@@ -33,8 +34,7 @@ class Engine:
         self._clients: dict[int, asyncio.Queue[engine_pb2.ServerMessage | None]] = {}
         self._next_client_id = 1
         self.metrics = metrics or ControlMetrics()
-        self.groups = [WorkerGroup(i, address, config, self._publish, self._fail, self.metrics)
-                       for i, address in enumerate(config.workers)]
+        self.groups = [WorkerGroup(i, address, config, self.metrics) for i, address in enumerate(config.workers)]
         self.metrics.watch(self)
         self.draining = False
         self.serving: ServingLimits | None = None
@@ -103,16 +103,13 @@ class Engine:
             self.metrics.refused.labels("invalid").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_INVALID_ARGUMENT, str(e)))
             return
-        group, lane = choose_lane([Candidate(g.index, i, lane) for g in ready
-                                   for i, lane in enumerate(g.group.lanes)], request)
-        request.worker, request.lane = group, lane.lane
+        placed = choose_lane([c for g in ready for c in g.candidates()], request)
         self.requests[request.request_id] = request
         if request.grammar_spec is not None:
             request.ready = False  # waits aside until its grammar has compiled
             self._compile(request)
-        lane.add(request)
+        self.groups[placed.worker].admit(request, placed.index)
         queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_ACCEPTED))
-        self.groups[group].wake()
 
     def _compile(self, request: Request) -> None:
         """Compile the request's grammar on the pool; when done, the request becomes ready (or
@@ -125,7 +122,7 @@ class Engine:
         def done(f: asyncio.Future[Grammar]) -> None:
             if self.requests.get(request.request_id) is not request:
                 return  # aborted or failed while compiling
-            group = self.groups[request.worker]
+            worker = self.groups[request.worker]
             error = f.exception() if not f.cancelled() else GrammarError("grammar compilation was cancelled")
             if error is None:
                 request.grammar, request.ready = f.result(), True
@@ -137,7 +134,7 @@ class Engine:
                 log.info("request %s: %s", request.request_id, message)
                 self._end(request, FinishReason.ERROR, message)
                 self._publish(0, [request])
-            group.wake()
+            worker.wake()
 
         future.add_done_callback(done)
 
@@ -148,18 +145,17 @@ class Engine:
             if request is None:
                 continue
             self._end(request, FinishReason.ABORT, "")
-            self.groups[request.worker].wake()
             self._finished(request, time.monotonic())
 
     # ---- workers -------------------------------------------------------------------------
     async def run(self) -> None:
-        """Drive every worker; a configuration error resolves `fatal` instead."""
-        tasks = [asyncio.create_task(g.run(self._check_limits)) for g in self.groups]
+        """Drive every worker; a configuration the workers cannot serve resolves `fatal`."""
+        tasks = [asyncio.create_task(self._drive(g)) for g in self.groups]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 error = task.exception()
-                if isinstance(error, StartupError) and not self.fatal.done():
+                if isinstance(error, IncompatibleWorker) and not self.fatal.done():
                     self.fatal.set_result(str(error))
                 elif error is not None:
                     raise error
@@ -168,6 +164,25 @@ class Engine:
                 task.cancel()
             self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
+    async def _drive(self, worker: WorkerGroup) -> None:
+        """The step loop of one worker, as long as the control plane runs: connect and warm it
+        up, check it against the serving limits, then publish each step's result; a worker lost
+        fails what it held and is reconnected."""
+        while True:
+            try:
+                warm = await worker.connect()
+                worker.start(self._check_limits(warm, warm.num_blocks_per_lane * warm.block_size).max_model_len)
+                async for stepped in worker.steps():
+                    self._publish(stepped.step_id, stepped.changed)
+            except WorkerError as e:
+                worker.not_ready_reason = str(e)
+                log.error("%s; reconnecting", e)
+                self._fail(e.requests if isinstance(e, WorkerLost) else worker.release(), str(e))
+            finally:
+                worker.release()
+                await worker.close()
+            await asyncio.sleep(self.config.reconnect_interval_s)
+
     def _check_limits(self, d: WorkerDescription, lane_capacity: int) -> ServingLimits:
         """The first worker fixes the serving limits; later ones must serve the same model and
         hold a max_model_len sequence in one lane."""
@@ -175,8 +190,10 @@ class Engine:
             # --max-model-len -1 fits one request to a lane's whole KV cache (vLLM's meaning).
             max_model_len = max(self.config.max_model_len, 0) or d.max_position_embeddings
             if lane_capacity < max_model_len:
-                (log.info if self.config.max_model_len == -1 else log.warning)("max_model_len lowered from %d to %d: one lane's KV cache holds %d tokens",
-                            max_model_len, lane_capacity, lane_capacity)
+                fitting = self.config.max_model_len == -1  # asked for: no warning
+                (log.info if fitting else log.warning)("max_model_len lowered from %d to %d: one lane's KV "
+                                                       "cache holds %d tokens", max_model_len, lane_capacity,
+                                                       lane_capacity)
                 max_model_len = lane_capacity
             self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len, d.block_size)
             self.grammars = GrammarCompiler(self.config.tokenizer or d.model_path, d.vocab_size,
@@ -184,11 +201,11 @@ class Engine:
             return self.serving
         s = self.serving
         if (d.architecture, d.vocab_size) != (s.architecture, s.vocab_size):
-            raise StartupError(f"the worker at {d.address} serves {d.architecture} (vocabulary "
+            raise IncompatibleWorker(f"the worker at {d.address} serves {d.architecture} (vocabulary "
                                f"{d.vocab_size}) but this control plane serves {s.architecture} "
                                f"(vocabulary {s.vocab_size}): every worker must serve the same model")
         if d.block_size != s.block_size:
-            raise StartupError(f"the worker at {d.address} uses KV blocks of {d.block_size} tokens but "
+            raise IncompatibleWorker(f"the worker at {d.address} uses KV blocks of {d.block_size} tokens but "
                                f"the first worker uses {s.block_size}: start every worker with the same "
                                "--block-size (prefix caching and placement hash whole blocks)")
         if lane_capacity < s.max_model_len:
@@ -230,8 +247,11 @@ class Engine:
         by_client: dict[int, list[engine_pb2.RequestOutput]] = {}
         mono = time.monotonic()
         for request in changed:
-            self.metrics.progressed(request, mono)
+            arrival = request.record_tokens(mono)
+            if arrival is not None:
+                self.metrics.progressed(request, arrival)
             by_client.setdefault(request.client_id, []).append(output_to_pb(request))
+            request.mark_sent()
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
                 self._finished(request, mono)
@@ -266,8 +286,4 @@ class Engine:
 
     def _end(self, request: Request, reason: FinishReason, message: str) -> None:
         """Finish a request the serving side ends (its lane frees its row and blocks)."""
-        group = self.groups[request.worker].group
-        if group is not None:
-            group.lanes[request.lane].finish(request, reason, message)
-        else:
-            request.finish(reason, message)
+        self.groups[request.worker].end(request, reason, message)

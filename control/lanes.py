@@ -45,11 +45,8 @@ class GroupPlan:
 
     @property
     def samples_on_host(self) -> bool:
-        """Some decode row needs the host sampler: its options or grammar, or min_tokens still
-        masking its EOS (the same rule as Scheduler.followup's)."""
-        return any(w.request.needs_host_sampler
-                   or w.request.sampling.min_tokens > len(w.request.output_token_ids)
-                   for lane in self.lanes for w in lane.decode)
+        """Some decode row samples on the host (Request.samples_on_host)."""
+        return any(w.request.samples_on_host() for lane in self.lanes for w in lane.decode)
 
 
 class LaneGroup:

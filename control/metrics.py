@@ -15,12 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from .request import Request
+from .request import Request, TokenArrival
 from .step import StepKind
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .lanes import GroupPlan
 
 # vLLM's buckets, so dashboards built for vLLM read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -116,12 +115,6 @@ class ControlMetrics:
         self.registry.register(_EngineState(engine))
 
     # ---- events ------------------------------------------------------------------------------
-    def scheduled(self, plan: GroupPlan, now: float) -> None:
-        for lane in plan.lanes:
-            for work in lane.prefill:
-                if work.request.scheduled_time is None:
-                    work.request.scheduled_time = now
-
     def step(self, worker: int, kind: StepKind, traced: bool, sampled_on_device: bool,
              worker_s: float, rtt_s: float) -> None:
         w = str(worker)
@@ -131,28 +124,20 @@ class ControlMetrics:
         if kind is not StepKind.EMPTY:
             self.sampling.labels(w, "device" if sampled_on_device else "host").inc()
 
-    def progressed(self, request: Request, now: float) -> None:
-        """Count the tokens `request` gained since it was last seen."""
-        num_tokens = len(request.output_token_ids)
-        new = num_tokens - request.num_metered_tokens
-        if new <= 0:
-            return
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self.ttft.observe(now - request.received_time)
+    def progressed(self, request: Request, arrival: TokenArrival) -> None:
+        """Count the tokens that reached `request` together (Request.record_tokens)."""
+        if arrival.first:
+            assert request.first_token_time is not None
+            self.ttft.observe(request.first_token_time - request.received_time)
             if request.scheduled_time is not None:
                 self.queue_time.observe(request.scheduled_time - request.received_time)
-                self.prefill_time.observe(now - request.scheduled_time)
+                self.prefill_time.observe(request.first_token_time - request.scheduled_time)
             self.prompt_tokens[request.worker] += request.num_prompt_tokens
-            new_after_first = new - 1
-        else:
-            new_after_first = new
-        if new_after_first > 0 and request.last_token_time is not None:
+        after_first = arrival.num_tokens - arrival.first
+        if after_first > 0 and arrival.since_last is not None:
             # Tokens that arrive together (a pipelined pair) share the interval evenly.
-            self.itl.observe((now - request.last_token_time) / new_after_first, new_after_first)
-        request.last_token_time = now
-        request.num_metered_tokens = num_tokens
-        self.generation_tokens[request.worker] += new
+            self.itl.observe(arrival.since_last / after_first, after_first)
+        self.generation_tokens[request.worker] += arrival.num_tokens
 
     def finished(self, request: Request, now: float) -> None:
         assert request.finish_reason is not None
@@ -210,12 +195,11 @@ class _EngineState(Collector):
                                    "Warmup progress of the worker, 0-1.", labels=["worker"])
         for g in engine.groups:
             w = str(g.index)
-            lanes = g.group.lanes if g.group is not None else []
-            for lane in lanes:
-                labels = [w, str(lane.lane)]
-                running.add_metric(labels, len(lane.running))
-                waiting.add_metric(labels, lane.num_waiting)
-                kv.add_metric(labels, lane.pool.num_used / lane.pool.num_blocks)
+            for load in g.loads():
+                labels = [w, str(load.lane)]
+                running.add_metric(labels, load.running)
+                waiting.add_metric(labels, load.waiting)
+                kv.add_metric(labels, load.kv_usage)
             totals = g.totals()
             queries.add_metric([w], totals.prefix_query_tokens)
             hits.add_metric([w], totals.prefix_hit_tokens)

@@ -27,8 +27,8 @@ class Candidate:
         return self.lane.num_waiting * 4 + len(self.lane.running)
 
 
-def choose_lane(candidates: list[Candidate], request: Request) -> tuple[int, Scheduler]:
-    """(worker index, lane) for `request`; candidates are in (worker, lane) order."""
+def choose_lane(candidates: list[Candidate], request: Request) -> Candidate:
+    """The candidate lane for `request`; candidates are in (worker, lane) order."""
     best = min(candidates, key=lambda c: c.score)
     caching = [c for c in candidates if c.lane.pool.enable_caching and c.score <= best.score + NEAR_EQUAL]
     if caching and request.num_tokens > caching[0].lane.pool.block_size:
@@ -37,4 +37,4 @@ def choose_lane(candidates: list[Candidate], request: Request) -> tuple[int, Sch
         top = max(hits)
         if top[0] > 0:
             best = caching[hits.index(top)]
-    return best.worker, best.lane
+    return best

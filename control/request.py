@@ -98,12 +98,14 @@ class Request:
     error: str = ""
     # Logprobs of output_token_ids[num_sent_tokens:] (when the request asked for logprobs).
     unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Lifecycle times (time.monotonic() of this process) for metrics and the request log line.
+    # Lifecycle events (time.monotonic() of this process), recorded where they happen (arrival
+    # in the engine, first sent by its worker group, tokens as the engine publishes them) and
+    # read by metrics and the request log line.
     received_time: float = 0.0
     scheduled_time: float | None = None      # first sent to a worker
     first_token_time: float | None = None
     last_token_time: float | None = None
-    num_metered_tokens: int = 0              # output tokens the metrics have counted
+    num_timed_tokens: int = 0                # output tokens whose arrival is recorded
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -139,3 +141,38 @@ class Request:
     def finish(self, reason: FinishReason, error: str = "") -> None:
         """Mark it finished; whoever held its slot and blocks has given them back."""
         self.status, self.finish_reason, self.error = RequestStatus.FINISHED, reason, error
+
+    def samples_on_host(self, in_flight: int = 0) -> bool:
+        """Its next token is sampled on the host, so its batch cannot be pipelined: its options
+        or grammar need the host sampler, or min_tokens still masks its EOS (counting the
+        `in_flight` tokens sampled but not yet seen). The one statement of this rule."""
+        return self.needs_host_sampler or self.sampling.min_tokens > len(self.output_token_ids) + in_flight
+
+    # ---- events ----------------------------------------------------------------------------
+    def record_scheduled(self, now: float) -> None:
+        if self.scheduled_time is None:
+            self.scheduled_time = now
+
+    def record_tokens(self, now: float) -> TokenArrival | None:
+        """The output tokens that arrived since the last record (published together at `now`)."""
+        new = len(self.output_token_ids) - self.num_timed_tokens
+        if new <= 0:
+            return None
+        arrival = TokenArrival(new, self.first_token_time is None,
+                               None if self.last_token_time is None else now - self.last_token_time)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time, self.num_timed_tokens = now, len(self.output_token_ids)
+        return arrival
+
+    def mark_sent(self) -> None:
+        """Its output so far has been sent to the client (wire.output_to_pb built the delta)."""
+        self.num_sent_tokens = len(self.output_token_ids)
+        self.unsent_logprobs = []
+
+
+@dataclass(slots=True, frozen=True)
+class TokenArrival:
+    num_tokens: int                  # arrived together
+    first: bool                      # the first of them is the request's first token
+    since_last: float | None         # seconds since the previous arrival (None before the first)

@@ -142,10 +142,9 @@ class Scheduler:
             if (len(request.output_token_ids) + in_flight >= request.sampling.max_tokens
                     or position + 1 > self.config.max_model_len):
                 continue  # `previous` ends it
-            if (request.needs_host_sampler
-                    or request.sampling.min_tokens > len(request.output_token_ids) + in_flight):
-                # Its batch samples on the host (min_tokens masks its EOS; penalties, bad words,
-                # logprobs and grammars read every token so far): no device-resident pipeline.
+            if request.samples_on_host(in_flight):
+                # Penalties, bad words, logprobs and grammars read every token so far, and
+                # min_tokens masks its EOS: no device-resident pipeline.
                 return None
             needed += max(self.pool.blocks_for(position + 1) - len(request.block_ids), 0)
             plan.decode.append(DecodeWork(request, None, position, []))

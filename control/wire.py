@@ -51,7 +51,7 @@ def _grammar_spec(add: engine_pb2.AddRequest) -> GrammarSpec | None:
 
 
 def output_to_pb(request: Request) -> engine_pb2.RequestOutput:
-    """The request's delta since its last output; advances its sent mark."""
+    """The request's delta since its last output (pure: the sender marks it sent)."""
     new = request.output_token_ids[request.num_sent_tokens:]
     out = engine_pb2.RequestOutput(request_id=request.request_id, new_token_ids=new,
                                    finish_reason=_FINISH[request.finish_reason], error=request.error,
@@ -64,8 +64,6 @@ def output_to_pb(request: Request) -> engine_pb2.RequestOutput:
         assert len(request.unsent_logprobs) == len(new), "one TokenLogprobs per new token"
         out.logprobs.extend(engine_pb2.TokenLogprobs(token_ids=lp.token_ids, logprobs=lp.logprobs,
                                                      rank=lp.rank) for lp in request.unsent_logprobs)
-        request.unsent_logprobs = []
-    request.num_sent_tokens = len(request.output_token_ids)
     return out
 
 

@@ -6,14 +6,16 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from .blocks import BlockPool
+from .engine_config import EngineConfig
 from .lanes import GroupPlan, LaneGroup
 from .metrics import ControlMetrics
 from .phase import PhasePolicy
-from .request import Request
+from .placement import Candidate
+from .request import FinishReason, Request
 from .scheduler import Scheduler, SchedulerConfig
 from .step import StepKind
 from .wire import StepOutcome, WorkerDescription
@@ -22,32 +24,17 @@ from .worker_link import WorkerError, WorkerLink
 log = logging.getLogger(__name__)
 
 
-class StartupError(RuntimeError):
-    """A configuration the workers cannot serve; the control plane exits with this message."""
+class IncompatibleWorker(RuntimeError):
+    """A worker this configuration cannot serve (topology, model, limits); the control plane exits
+    with this message."""
 
 
-@dataclass(slots=True, frozen=True)
-class EngineConfig:
-    workers: tuple[str, ...]
-    max_num_seqs: int = 32            # per lane
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity
-    data_parallel_size: int = 1       # lanes per worker
-    enable_prefix_caching: bool = False
-    max_consecutive_prefills: int = 2
-    async_scheduling: bool | None = None  # None: whenever the worker supports async decode
-    reconnect_interval_s: float = 1.0
-    tokenizer: str = ""               # for grammars; "" = the first worker's model folder
-    stall_timeout_s: float = 60.0     # a step in flight this long without a result: stalled
+class WorkerLost(WorkerError):
+    """The link to a worker ended while it served; the requests it held go back to the engine."""
 
-
-@dataclass(slots=True)
-class ServingLimits:
-    """What every group must honour, fixed by the first worker that comes up."""
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int   # one for all: prefix hashes, placement and ModelInfo assume it
+    def __init__(self, reason: str, requests: list[Request]) -> None:
+        super().__init__(reason)
+        self.requests = requests
 
 
 @dataclass(slots=True)
@@ -66,18 +53,34 @@ class LaneTotals:
         return self
 
 
-Publish = Callable[[int, list[Request]], None]       # step id, requests with news
-Fail = Callable[[list[Request], str], None]          # requests lost with a worker, why
+@dataclass(slots=True)
+class Stepped:
+    """One step's result, on its way up to the engine: the requests with news (new tokens or a
+    finish), already applied to their lanes."""
+    step_id: int
+    changed: list[Request]
+
+
+@dataclass(slots=True)
+class LaneLoad:
+    """A lane's queues and KV use, as metrics export them."""
+    lane: int
+    running: int
+    waiting: int
+    kv_usage: float
 
 
 class WorkerGroup:
-    def __init__(self, index: int, address: str, config: EngineConfig, publish: Publish,
-                 fail: Fail, metrics: ControlMetrics | None = None) -> None:
+    """One worker's life, driven by the engine: `connect` (describe, check the topology, warm
+    up) returns the warm description; after the engine has checked it against the serving
+    limits, `start` builds the lane group; `steps` yields each step's result; `release` tears the
+    group down and returns the requests it held. Nothing here calls up into the engine."""
+
+    def __init__(self, index: int, address: str, config: EngineConfig,
+                 metrics: ControlMetrics | None = None) -> None:
         self.index = index
         self.address = address
         self.config = config
-        self._publish = publish
-        self._fail = fail
         self.metrics = metrics or ControlMetrics()
         self.metrics.stalls.labels(str(index))  # exported as 0 from the start, for alert rules
         self.group: LaneGroup | None = None
@@ -90,6 +93,9 @@ class WorkerGroup:
         self.stalled_since: float | None = None  # when the unanswered wait began, once stalled
         self._retired = LaneTotals()  # counts of lane groups torn down by reconnects
         self._wake = asyncio.Event()
+        self._link: WorkerLink | None = None
+        self._warm: WorkerDescription | None = None
+        self._batched = self._num_lanes = 0  # as warmed up
 
     @property
     def ready(self) -> bool:
@@ -113,35 +119,36 @@ class WorkerGroup:
     def wake(self) -> None:
         self._wake.set()
 
-    async def run(self, limits: Callable[[WorkerDescription, int], ServingLimits]) -> None:
-        """Serve until cancelled. `limits(description, lane capacity)` fixes or checks the
-        serving limits against this worker (raising StartupError or WorkerError)."""
-        while True:
-            link = WorkerLink(self.address)
-            try:
-                await self._connect(link, limits)
-                await self._step_loop(link)
-            except WorkerError as e:
-                self.not_ready_reason = str(e)
-                log.error("%s; reconnecting", e)
-                self._give_back(str(e))
-            finally:
-                if self.group is not None:
-                    self._retired.add(self.group)
-                self.group = None
-                self.connected = False
-                self.stalled_since = None
-                self.warmup_progress = 0.0
-                await link.close()
-            await asyncio.sleep(self.config.reconnect_interval_s)
+    # ---- what the engine reads and asks of the lanes -------------------------------------------
+    def candidates(self) -> list[Candidate]:
+        """This worker's lanes as placement sees them (empty until it serves)."""
+        lanes = self.group.lanes if self.group is not None else []
+        return [Candidate(self.index, i, lane) for i, lane in enumerate(lanes)]
 
-    def _give_back(self, reason: str) -> None:
-        if self.group is None:
-            return
-        lost = [r for lane in self.group.lanes for r in (*lane.running, *lane.waiting, *lane.skipped)]
-        self._fail(lost, reason)
+    def admit(self, request: Request, lane: int) -> None:
+        assert self.group is not None
+        request.worker, request.lane = self.index, lane
+        self.group.lanes[lane].add(request)
+        self.wake()
 
-    async def _connect(self, link: WorkerLink, limits: Callable[[WorkerDescription, int], ServingLimits]) -> None:
+    def end(self, request: Request, reason: FinishReason, message: str) -> None:
+        """Finish `request` now (its lane frees its row and blocks with the next step)."""
+        if self.group is not None:
+            self.group.lanes[request.lane].finish(request, reason, message)
+        else:
+            request.finish(reason, message)
+        self.wake()
+
+    def loads(self) -> list[LaneLoad]:
+        lanes = self.group.lanes if self.group is not None else []
+        return [LaneLoad(lane.lane, len(lane.running), lane.num_waiting, lane.pool.num_used / lane.pool.num_blocks)
+                for lane in lanes]
+
+    # ---- the worker's life ----------------------------------------------------------------------
+    async def connect(self) -> WorkerDescription:
+        """Describe (retried until the worker answers), check the topology and warm up; returns
+        the warm worker's description. Raises IncompatibleWorker or WorkerError."""
+        self._link = link = WorkerLink(self.address)
         while True:
             try:
                 described = await link.describe()
@@ -154,7 +161,7 @@ class WorkerGroup:
         num_lanes = self._lanes_for(described)
         max_model_len = max(self.config.max_model_len, 0) or described.max_position_embeddings
         if max_model_len > described.max_position_embeddings:
-            raise StartupError(
+            raise IncompatibleWorker(
                 f"--max-model-len {max_model_len} exceeds the model's limit of "
                 f"{described.max_position_embeddings} tokens (max_position_embeddings of "
                 f"{described.model_path})")
@@ -164,17 +171,39 @@ class WorkerGroup:
                         "%d to max_model_len %d", batched, max_model_len)
             batched = max_model_len
         self.not_ready_reason = f"worker at {link.address} is warming up"
-        warm = await link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched,
-                                 self._warmup_progressed)
-        serving = limits(warm, warm.num_blocks_per_lane * warm.block_size)
-        await link.open()
+        self._warm = await link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched,
+                                       self._warmup_progressed)
+        self._batched, self._num_lanes = batched, num_lanes
+        return self._warm
+
+    def start(self, max_model_len: int) -> None:
+        """Serve the warm worker with the engine's limits: the lane group is built."""
+        warm = self._warm
+        assert warm is not None
         self.description = warm
         self.async_decode = warm.async_decode and self.config.async_scheduling is not False
         if self.config.async_scheduling and not warm.async_decode:
             log.warning("--async-scheduling: the worker at %s cannot pipeline decode steps (%s does "
                         "not support async decode, or decode samples on the host); turned off",
                         warm.address, warm.architecture)
-        self.group = self._build_group(warm, num_lanes, serving.max_model_len, batched)
+        self.group = self._build_group(warm, self._num_lanes, max_model_len, self._batched)
+
+    def release(self) -> list[Request]:
+        """Tear the lane group down (the link too); returns the requests it held."""
+        held = [r for lane in self.group.lanes for r in (*lane.running, *lane.waiting, *lane.skipped)] \
+            if self.group is not None else []
+        if self.group is not None:
+            self._retired.add(self.group)
+        self.group = self._warm = None
+        self.connected = False
+        self.stalled_since = None
+        self.warmup_progress = 0.0
+        return held
+
+    async def close(self) -> None:
+        if self._link is not None:
+            link, self._link = self._link, None
+            await link.close()
 
     def _warmup_progressed(self, completed: int, total: int) -> None:
         self.warmup_progress = completed / total if total else 0.0
@@ -184,17 +213,17 @@ class WorkerGroup:
         dp = self.config.data_parallel_size
         if d.single_execute_lanes:
             if d.mrope and dp > 1:
-                raise StartupError(f"{d.architecture} uses request-specific RoPE (mRoPE), which lane "
-                                   f"mode cannot serve: --data-parallel-size {dp} must be 1")
+                raise IncompatibleWorker(f"{d.architecture} uses request-specific RoPE (mRoPE), which lane "
+                                         f"mode cannot serve: --data-parallel-size {dp} must be 1")
             return dp
         if dp != 1:
-            raise StartupError(
+            raise IncompatibleWorker(
                 f"--data-parallel-size {dp}: {d.architecture} on the worker at {d.address} runs lanes "
                 "as independent groups; start one worker per lane (each on its own submesh with "
                 "TT_VISIBLE_DEVICES) and pass each with --worker")
         if d.mixture_of_experts and len(self.config.workers) > 1:
-            raise StartupError(f"{d.architecture} is a mixture-of-experts model: data parallelism over "
-                               f"independent groups ({len(self.config.workers)} workers) is refused")
+            raise IncompatibleWorker(f"{d.architecture} is a mixture-of-experts model: data parallelism "
+                                     f"over independent groups ({len(self.config.workers)} workers) is refused")
         return 1
 
     def _build_group(self, warm: WorkerDescription, num_lanes: int, max_model_len: int,
@@ -226,12 +255,14 @@ class WorkerGroup:
                  warm.prefill_buckets or "any", "on" if self.async_decode else "off")
         return LaneGroup(lanes, PhasePolicy(c.max_consecutive_prefills))
 
-    async def _step_loop(self, link: WorkerLink) -> None:
-        """Plan, send, apply. With async decode, a stable decode batch keeps two steps in
-        flight: step N+1 is planned and sent before N's result arrives, feeding N's tokens from
-        the device; anything else drains the pipeline (an empty flush) and steps one at a time."""
-        group = self.group
-        assert group is not None
+    async def steps(self) -> AsyncIterator[Stepped]:
+        """Plan, send, apply, and yield each step's result. With async decode, a stable decode
+        batch keeps two steps in flight: step N+1 is planned and sent before N's result arrives,
+        feeding N's tokens from the device; anything else drains the pipeline (an empty flush)
+        and steps one at a time. A link that ends raises WorkerLost with the requests held."""
+        group, link = self.group, self._link
+        assert group is not None and link is not None
+        await link.open()
         ended = asyncio.ensure_future(link.ended())
         # (plan or None for a flush, pipelined, time sent)
         in_flight: deque[tuple[GroupPlan | None, bool, float]] = deque()
@@ -260,15 +291,17 @@ class WorkerGroup:
                     self.num_steps += 1
                     self.metrics.step(self.index, plan.kind, outcome.traced, outcome.sampled_on_device,
                                       outcome.total_s, time.monotonic() - sent)
-                    self._publish(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs))
+                    yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs))
+        except WorkerError as e:
+            raise WorkerLost(str(e), self.release()) from e
         finally:
             ended.cancel()
 
     async def _send(self, link: WorkerLink, plan: GroupPlan | None, pipelined: bool,
                     in_flight: deque[tuple[GroupPlan | None, bool, float]]) -> None:
         now = time.monotonic()
-        if plan is not None:
-            self.metrics.scheduled(plan, now)
+        for work in plan.prefill if plan is not None else ():
+            work.request.record_scheduled(now)
         await link.send(plan, self.group.max_num_seqs, pipelined)
         in_flight.append((plan, pipelined, now))
 
@@ -303,8 +336,7 @@ class WorkerGroup:
     def _drain_reason(group: LaneGroup) -> str:
         if any(lane.wants_prefill() for lane in group.lanes):
             return "prefill"
-        if any(r.needs_host_sampler or r.sampling.min_tokens > len(r.output_token_ids)
-               for lane in group.lanes for r in lane.running):
+        if any(r.samples_on_host() for lane in group.lanes for r in lane.running):
             return "host_sampler"
         return "batch_changed"
 

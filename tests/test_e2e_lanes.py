@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from stack import start_stack
-from ttserve.client import EngineClient
+from ttserve.control_client import ControlClient
 
 pytestmark = pytest.mark.e2e
 
@@ -20,7 +20,7 @@ PROMPTS = [[1, 9690, 314, 253 + i, 2185, 282, 3000 + 7 * i] for i in range(8)]
 
 
 def run(address: str, prompts: list[list[int]]) -> dict:
-    client = EngineClient(address)
+    client = ControlClient(address)
     try:
         for i, prompt in enumerate(prompts):
             client.add(f"r{i}", prompt, 16, ignore_eos=True)
@@ -42,7 +42,7 @@ def test_four_lane_group_matches_one_lane_and_spreads_load(tmp_path, smollm2, re
     stack = start_stack(tmp_path, str(smollm2), gateway=False, worker_flags=KV,
                         control_flags=("--data-parallel-size", "4", "--max-num-seqs", "2"))
     try:
-        client = EngineClient(stack.control_address)
+        client = ControlClient(stack.control_address)
         assert client.model_info().num_lanes == 4
         assert client.server_info().workers[0].num_lanes == 4
         client.close()
@@ -60,13 +60,13 @@ def test_two_independent_workers_match_one_lane(tmp_path, smollm2, reference):
     stack = start_stack(tmp_path, str(smollm2), gateway=False, worker_flags=KV, workers=2,
                         control_flags=("--max-num-seqs", "4"))
     try:
-        client = EngineClient(stack.control_address)
+        client = ControlClient(stack.control_address)
         info = client.server_info()
         assert [w.ready for w in info.workers] == [True, True]
         assert client.model_info().num_lanes == 2
         client.close()
         results = run(stack.control_address, PROMPTS)
-        steps = [w.num_steps for w in EngineClient(stack.control_address).server_info().workers]
+        steps = [w.num_steps for w in ControlClient(stack.control_address).server_info().workers]
     finally:
         stack.stop()
     assert {rid: r.token_ids for rid, r in results.items()} == reference
@@ -87,7 +87,7 @@ def test_async_decode_with_device_sampling_matches_one_lane(tmp_path, smollm2, r
             r'ttserve_(steps|async_drains)_total\{[^}]*?(?:kind|reason)="(\w+)"[^}]*\} (\S+)',
             urllib.request.urlopen(f"{stack.control_metrics_url}/metrics").read().decode())}
         before = counts()
-        client = EngineClient(stack.control_address)
+        client = ControlClient(stack.control_address)
         client.add("host-sampled", [1, 504, 3458, 282], 12, logprobs=1, ignore_eos=True)
         assert len(client.collect({"host-sampled"})["host-sampled"].token_ids) == 12
         client.close()

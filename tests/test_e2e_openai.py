@@ -321,7 +321,7 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(stack, model_
     import httpx
 
     from stack import wait_until
-    from ttserve.client import EngineClient
+    from ttserve.control_client import ControlClient
 
     body = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
@@ -331,7 +331,7 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(stack, model_
             seen += line.startswith("data:")
             if seen >= 3:
                 break  # hang up mid-stream
-    control = EngineClient(stack.control_address)
+    control = ControlClient(stack.control_address)
     try:
         def idle() -> bool:
             w = control.server_info().workers[0]

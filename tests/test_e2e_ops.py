@@ -16,7 +16,7 @@ import pytest
 
 from stack import (DEFAULT_SHUTDOWN_TIMEOUT_S, Service, free_port, get, metric, require_tool, sample,
                    start_stack, wait_until)
-from ttserve.client import EngineClient, Refused
+from ttserve.control_client import ControlClient, Refused
 from ttserve.protocol import CALL_METADATA
 from ttserve.v1 import engine_pb2
 
@@ -27,7 +27,7 @@ FINISH = engine_pb2.FinishReason
 STALL_TIMEOUT_S = 3
 
 
-def first_tokens(client: EngineClient, request_id: str) -> list[int]:
+def first_tokens(client: ControlClient, request_id: str) -> list[int]:
     """Wait until `request_id` is admitted and producing; the tokens seen so far."""
     while True:
         message = client.next()
@@ -43,7 +43,7 @@ def first_tokens(client: EngineClient, request_id: str) -> list[int]:
 def engine_stack(tmp_path: Path, model: Path, **flags):
     """Worker and control plane (no gateway), and a client of the control plane."""
     stack = start_stack(tmp_path, str(model), gateway=False, **flags)
-    client = EngineClient(stack.control_address)
+    client = ControlClient(stack.control_address)
     try:
         yield stack, client
     finally:
@@ -213,7 +213,7 @@ def test_sigterm_lets_the_control_plane_finish_what_it_holds_and_refuse_the_rest
         client.add("late", [1, 2, 3], 4)
         with pytest.raises(Refused, match="shutting down"):
             client.collect({"late"})
-        newcomer = EngineClient(stack.control_address)  # a new session is refused outright
+        newcomer = ControlClient(stack.control_address)  # a new session is refused outright
         try:
             with pytest.raises(grpc.RpcError) as refused:
                 newcomer.stub.Session(iter([]), metadata=CALL_METADATA).next()

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from stack import free_port, start_stack, start_worker, wait_until, http_ok
-from ttserve.client import EngineClient
+from ttserve.control_client import ControlClient
 from ttserve.protocol import CALL_METADATA, METADATA_KEY, PROTOCOL_VERSION
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -28,7 +28,7 @@ def control(tmp_path_factory, smollm2):
 
 
 def test_tokenless_grpc_client_gets_outputs_batched_per_step(control):
-    session = EngineClient(control.control_address)
+    session = ControlClient(control.control_address)
     prompt = [1, 504, 3458, 282, 4649, 314]
     for i in range(3):
         session.add(f"r{i}", prompt, 10, ignore_eos=True)
@@ -42,7 +42,7 @@ def test_tokenless_grpc_client_gets_outputs_batched_per_step(control):
 
 
 def test_grpc_logprobs_come_with_each_token_greedy_at_rank_one(control):
-    session = EngineClient(control.control_address)
+    session = ControlClient(control.control_address)
     session.add("lp", [1, 504, 3458, 282, 4649, 314], 6, ignore_eos=True, logprobs=3)
     session.add("plain", [1, 504, 3458, 282, 4649, 314], 6, ignore_eos=True)
     results = session.collect({"lp", "plain"})
@@ -57,7 +57,7 @@ def test_grpc_logprobs_come_with_each_token_greedy_at_rank_one(control):
 
 
 def test_admission_refuses_with_a_message(control):
-    session = EngineClient(control.control_address)
+    session = ControlClient(control.control_address)
     session.add("long", [5] * 9000, 4)
     session.add("zero", [5], 0)
     session.add("vocab", [10**6], 4)
@@ -77,7 +77,7 @@ def test_admission_refuses_with_a_message(control):
 
 
 def test_abort_stops_a_request_and_its_slot_is_reused(control):
-    session = EngineClient(control.control_address)
+    session = ControlClient(control.control_address)
     session.add("a", [1, 2, 3], 5000, ignore_eos=True)
     assert session.next().admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED
     assert session.next().outputs.outputs[0].request_id == "a"
@@ -200,7 +200,7 @@ def test_grammar_is_enforced_for_a_tokenless_client_and_a_bad_one_ends_with_an_e
 
     from tokenizers import Tokenizer
     tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
-    session = EngineClient(control.control_address)
+    session = ControlClient(control.control_address)
     prompt = tokenizer.encode("The answer is").ids
     session.add("regex", prompt, 16, structured_output=engine_pb2.StructuredOutput(regex="(red|green) [0-9]{2}"))
     session.add("bad", prompt, 16, structured_output=engine_pb2.StructuredOutput(regex="(unclosed"))

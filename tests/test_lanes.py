@@ -30,7 +30,7 @@ def group(num_lanes: int = 4, num_blocks: int = 32, block_size: int = 4, max_num
 
 
 def place(g: LaneGroup, request: Request) -> Scheduler:
-    _, lane = choose_lane([Candidate(0, i, lane) for i, lane in enumerate(g.lanes)], request)
+    lane = choose_lane([Candidate(0, i, lane) for i, lane in enumerate(g.lanes)], request).lane
     request.lane = lane.lane
     lane.add(request)
     return lane
@@ -69,12 +69,12 @@ def test_merged_batch_rows_are_lane_times_capacity_plus_slot():
 def test_placement_prefers_least_loaded_weighting_waiting_and_ties_to_lowest():
     lanes = [Scheduler(SchedulerConfig(4, 16, 64), BlockPool(16, 4), lane=i) for i in range(3)]
     cands = [Candidate(0, i, lane) for i, lane in enumerate(lanes)]
-    assert choose_lane(cands, make("x", 3))[1] is lanes[0]
+    assert choose_lane(cands, make("x", 3)).lane is lanes[0]
     lanes[0].running.extend([make("r1", 3), make("r2", 3), make("r3", 3)])  # score 3
     lanes[1].waiting.append(make("w", 3))                                  # score 4
-    assert choose_lane(cands, make("y", 3))[1] is lanes[2]
+    assert choose_lane(cands, make("y", 3)).lane is lanes[2]
     lanes[2].running.extend([make("r4", 3), make("r5", 3), make("r6", 3), make("r7", 3)])  # 4
-    assert choose_lane(cands, make("z", 3))[1] is lanes[0]
+    assert choose_lane(cands, make("z", 3)).lane is lanes[0]
 
 
 def test_placement_prefers_a_lane_holding_the_prefix_among_near_equal_loads():
@@ -150,7 +150,8 @@ def test_group_invariants_under_random_traffic(specs, num_lanes, num_blocks, max
 import pytest  # noqa: E402
 
 from ttserve.control.wire import WorkerDescription  # noqa: E402
-from ttserve.control.worker_group import EngineConfig, StartupError, WorkerGroup  # noqa: E402
+from ttserve.control.engine_config import EngineConfig  # noqa: E402
+from ttserve.control.worker_group import IncompatibleWorker, WorkerGroup  # noqa: E402
 
 
 def describe(**kw) -> WorkerDescription:
@@ -162,7 +163,7 @@ def describe(**kw) -> WorkerDescription:
 
 def lanes_for(d: WorkerDescription, dp: int = 1, workers: int = 1) -> int:
     config = EngineConfig(workers=tuple(f"w:{i}" for i in range(workers)), data_parallel_size=dp)
-    return WorkerGroup(0, "w:0", config, lambda *a: None, lambda *a: None)._lanes_for(d)
+    return WorkerGroup(0, "w:0", config)._lanes_for(d)
 
 
 def test_single_execute_models_run_all_lanes_in_one_group():
@@ -170,19 +171,19 @@ def test_single_execute_models_run_all_lanes_in_one_group():
 
 
 def test_independent_models_need_one_worker_per_lane():
-    with pytest.raises(StartupError, match="TT_VISIBLE_DEVICES"):
+    with pytest.raises(IncompatibleWorker, match="TT_VISIBLE_DEVICES"):
         lanes_for(describe(), dp=4)
     assert lanes_for(describe(), dp=1, workers=3) == 1
 
 
 def test_moe_with_independent_group_dp_is_refused():
-    with pytest.raises(StartupError, match="mixture-of-experts"):
+    with pytest.raises(IncompatibleWorker, match="mixture-of-experts"):
         lanes_for(describe(mixture_of_experts=True), workers=2)
     assert lanes_for(describe(mixture_of_experts=True, single_execute_lanes=True), dp=4) == 4
 
 
 def test_mrope_in_lane_mode_is_refused():
-    with pytest.raises(StartupError, match="mRoPE"):
+    with pytest.raises(IncompatibleWorker, match="mRoPE"):
         lanes_for(describe(mrope=True, single_execute_lanes=True), dp=2)
     assert lanes_for(describe(mrope=True, single_execute_lanes=True), dp=1) == 1
 

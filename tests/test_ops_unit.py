@@ -12,7 +12,8 @@ from ttserve.control.lanes import LaneGroup
 from ttserve.control.metrics import ControlMetrics
 from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
-from ttserve.control.worker_group import EngineConfig, LaneTotals, WorkerGroup
+from ttserve.control.engine_config import EngineConfig
+from ttserve.control.worker_group import LaneTotals, WorkerGroup
 from ttserve.ops_http import OpsEndpoints, start_ops_server
 
 
@@ -82,12 +83,13 @@ def value(metrics: ControlMetrics, name: str, **labels: str) -> float:
 def test_request_timings_follow_the_tokens_as_they_arrive():
     m = ControlMetrics()
     r = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), received_time=10.0)
-    r.scheduled_time = 10.5
+    r.record_scheduled(10.5)
+    r.record_scheduled(10.7)       # only the first send counts
     r.output_token_ids = [7]
-    m.progressed(r, 11.0)
+    m.progressed(r, r.record_tokens(11.0))
     r.output_token_ids += [8, 9]   # a pipelined pair arrives together
-    m.progressed(r, 12.0)
-    m.progressed(r, 12.5)          # nothing new: nothing counted
+    m.progressed(r, r.record_tokens(12.0))
+    assert r.record_tokens(12.5) is None  # nothing new: nothing to count
     r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
     m.finished(r, 12.0)
     assert value(m, "ttserve_time_to_first_token_seconds_sum") == 1.0
@@ -108,7 +110,7 @@ def test_lane_counters_survive_the_lane_group_being_rebuilt():
         scheduler.num_preemptions = preemptions
         return LaneGroup([scheduler])
 
-    g = WorkerGroup(0, "w:0", EngineConfig(workers=("w:0",)), lambda *a: None, lambda *a: None)
+    g = WorkerGroup(0, "w:0", EngineConfig(workers=("w:0",)))
     g.group = lane_group(5, 2, 1)
     assert g.totals() == LaneTotals(20, 8, 1)          # tokens = blocks x block size
     g._retired.add(g.group)                            # what a reconnect does

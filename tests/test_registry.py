@@ -395,7 +395,7 @@ def reference_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> lis
 @pytest.mark.e2e
 def test_bundle_model_end_to_end(tmp_path, smollm2):
     from stack import start_stack
-    from ttserve.client import EngineClient
+    from ttserve.control_client import ControlClient
 
     bundles = tmp_path / "bundles"
     write_bundle(bundles, "tinychat", {"arch": "TinyChatForCausalLM",
@@ -408,7 +408,7 @@ def test_bundle_model_end_to_end(tmp_path, smollm2):
                         control_flags=("--max-num-seqs", "2"),
                         worker_flags=("--kv-cache-memory-bytes", str(64 << 20)))
     try:
-        client = EngineClient(stack.control_address)
+        client = ControlClient(stack.control_address)
         try:
             assert client.model_info().architecture == "TinyChatForCausalLM"
             client.add("tiny", prompt, new_tokens, ignore_eos=True)

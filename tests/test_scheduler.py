@@ -414,7 +414,9 @@ def test_logprobs_ride_with_their_tokens_to_the_output():
         s.update(plan, {"a": token}, {"a": TokenLogprobs([token, 3], [-0.5, -0.25], 2)})
     out = output_to_pb(r)
     assert list(out.new_token_ids) == [7, 8] and [list(lp.token_ids) for lp in out.logprobs] == [[7, 3], [8, 3]]
-    assert out.logprobs[0].rank == 2 and r.unsent_logprobs == []
+    assert output_to_pb(r) == out  # a pure converter: building it twice loses nothing
+    r.mark_sent()
+    assert out.logprobs[0].rank == 2 and r.unsent_logprobs == [] and not output_to_pb(r).new_token_ids
     plan = s.schedule()
     s.update(plan, {"a": 9})  # the worker broke the contract: no logprobs for a request that asked
     assert r.finish_reason is FinishReason.ERROR and "logprobs" in r.error and r.output_token_ids == [7, 8]

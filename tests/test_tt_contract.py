@@ -362,7 +362,7 @@ def test_register_test_models_adds_tt_metals_dummy_models():
 
 def test_the_sim_refuses_a_mesh_device_that_names_no_mesh(monkeypatch, smollm2):
     monkeypatch.setenv("MESH_DEVICE", "Q999")
-    with pytest.raises(worker_config.StartupError, match="MESH_DEVICE='Q999' is not a mesh"):
+    with pytest.raises(worker_config.ConfigRefused, match="MESH_DEVICE='Q999' is not a mesh"):
         worker_config.build_service(worker_args("--backend", "sim", "--model", str(smollm2)))
 
 

@@ -11,7 +11,7 @@ log = logging.getLogger("ttserve.worker")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": "float32"}
 
 
-class StartupError(RuntimeError):
+class ConfigRefused(RuntimeError):
     """The worker cannot start as configured; one line says why."""
 
 
@@ -59,7 +59,7 @@ def build_service(args: argparse.Namespace):
     if plan.fatal:
         for problem in plan.fatal[:-1]:
             log.error("%s", problem)
-        raise StartupError(plan.fatal[-1])
+        raise ConfigRefused(plan.fatal[-1])
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     options, model_cls, device = plan.options, plan.model_cls, torch.device(args.device)
@@ -106,7 +106,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 def run(args: argparse.Namespace) -> int:
     try:
         service = build_service(args)
-    except StartupError as e:
+    except ConfigRefused as e:
         log.error("%s", e)
         return 1
     return asyncio.run(_serve(service, args))

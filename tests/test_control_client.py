@@ -1,4 +1,4 @@
-"""EngineClient (ttserve/client.py) when its session dies: it fails at once, not at its timeout."""
+"""ControlClient (ttserve/control_client.py) when its session dies: it fails at once, not at its timeout."""
 from __future__ import annotations
 
 import socket
@@ -8,7 +8,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from ttserve.client import EngineClient
+from ttserve.control_client import ControlClient
 from ttserve.v1 import engine_pb2_grpc
 
 TIMEOUT_S = 60  # collect()'s timeout; a failure must come long before it
@@ -36,7 +36,7 @@ def closed_port() -> str:
 
 
 def test_a_session_the_server_aborts_fails_collect_at_once_with_its_code_and_details(aborting_server):
-    client = EngineClient(aborting_server)
+    client = ControlClient(aborting_server)
     client.add("r1", [1, 2, 3], max_tokens=4)
     start = time.monotonic()
     with pytest.raises(ConnectionError, match="UNAVAILABLE: no worker is ready"):
@@ -48,7 +48,7 @@ def test_a_session_the_server_aborts_fails_collect_at_once_with_its_code_and_det
 
 
 def test_no_server_fails_collect_at_once():
-    client = EngineClient(closed_port())
+    client = ControlClient(closed_port())
     client.add("r1", [1, 2, 3], max_tokens=4)
     start = time.monotonic()
     with pytest.raises(ConnectionError, match="UNAVAILABLE"):

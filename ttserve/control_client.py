@@ -1,6 +1,6 @@
 """A token-level client of the control plane (engine.proto), for tools, tests and benchmarks.
 
-    client = EngineClient("127.0.0.1:50051")
+    client = ControlClient("127.0.0.1:50051")
     client.add("r1", [1, 2, 3], max_tokens=16)
     result = client.collect({"r1"})["r1"]   # tokens, finish reason, worker and lane
 
@@ -32,7 +32,7 @@ class Result:
     outputs_per_message: list[int] = field(default_factory=list)  # this request's messages' sizes
 
 
-class EngineClient:
+class ControlClient:
     def __init__(self, address: str) -> None:
         self.channel = grpc.insecure_channel(address, options=MESSAGE_LIMITS)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)

@@ -1,0 +1,29 @@
+"""What the control plane serves with: its flags as the engine reads them, and the limits the first
+worker fixes for all."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    workers: tuple[str, ...]
+    max_num_seqs: int = 32            # per lane
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity
+    data_parallel_size: int = 1       # lanes per worker
+    enable_prefix_caching: bool = False
+    max_consecutive_prefills: int = 2
+    async_scheduling: bool | None = None  # None: whenever the worker supports async decode
+    reconnect_interval_s: float = 1.0
+    tokenizer: str = ""               # for grammars; "" = the first worker's model folder
+    stall_timeout_s: float = 60.0     # a step in flight this long without a result: stalled
+
+
+@dataclass(slots=True)
+class ServingLimits:
+    """What every group must honour, fixed by the first worker that comes up."""
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int   # one for all: prefix hashes, placement and ModelInfo assume it
