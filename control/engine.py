@@ -34,7 +34,7 @@ class Engine:
         self._clients: dict[int, asyncio.Queue[engine_pb2.ServerMessage | None]] = {}
         self._next_client_id = 1
         self.metrics = metrics or ControlMetrics()
-        self.groups = [WorkerGroup(i, address, config, self.metrics) for i, address in enumerate(config.workers)]
+        self.workers = [WorkerGroup(i, address, config, self.metrics) for i, address in enumerate(config.workers)]
         self.metrics.watch(self)
         self.draining = False
         self.serving: ServingLimits | None = None
@@ -46,18 +46,18 @@ class Engine:
     @property
     def ready(self) -> bool:
         """Can serve a request now: not draining, and some worker is warm and not stalled."""
-        return not self.draining and any(g.ready and not g.stalled for g in self.groups)
+        return not self.draining and any(w.ready and not w.stalled for w in self.workers)
 
     @property
     def not_ready_reason(self) -> str:
         if self.draining:
             return "the control plane is shutting down"
-        return "; ".join(f"worker {g.index} at {g.address}: {g.state}" for g in self.groups)
+        return "; ".join(f"worker {w.index} at {w.address}: {w.state}" for w in self.workers)
 
-    def _serving_groups(self) -> list[WorkerGroup]:
+    def _serving_workers(self) -> list[WorkerGroup]:
         """Where new requests go: warm workers, the stalled ones only if no other is left."""
-        ready = [g for g in self.groups if g.ready]
-        return [g for g in ready if not g.stalled] or ready
+        ready = [w for w in self.workers if w.ready]
+        return [w for w in ready if not w.stalled] or ready
 
     @property
     def limits(self) -> Limits | None:
@@ -80,7 +80,7 @@ class Engine:
         """Admit or refuse a request; the session always gets exactly one Admission for it."""
         queue = self._clients[client_id]
         limits = self.limits
-        ready = self._serving_groups()
+        ready = self._serving_workers()
         if self.draining:
             self.metrics.refused.labels("draining").inc()
             queue.put_nowait(admission_pb(
@@ -103,12 +103,12 @@ class Engine:
             self.metrics.refused.labels("invalid").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_INVALID_ARGUMENT, str(e)))
             return
-        placed = choose_lane([c for g in ready for c in g.candidates()], request)
+        placed = choose_lane([c for w in ready for c in w.candidates()], request)
         self.requests[request.request_id] = request
         if request.grammar_spec is not None:
             request.ready = False  # waits aside until its grammar has compiled
             self._compile(request)
-        self.groups[placed.worker].admit(request, placed.index)
+        self.workers[placed.worker].admit(request, placed.index)
         queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_ACCEPTED))
 
     def _compile(self, request: Request) -> None:
@@ -122,7 +122,7 @@ class Engine:
         def done(f: asyncio.Future[Grammar]) -> None:
             if self.requests.get(request.request_id) is not request:
                 return  # aborted or failed while compiling
-            worker = self.groups[request.worker]
+            worker = self.workers[request.worker]
             error = f.exception() if not f.cancelled() else GrammarError("grammar compilation was cancelled")
             if error is None:
                 request.grammar, request.ready = f.result(), True
@@ -150,7 +150,7 @@ class Engine:
     # ---- workers -------------------------------------------------------------------------
     async def run(self) -> None:
         """Drive every worker; a configuration the workers cannot serve resolves `fatal`."""
-        tasks = [asyncio.create_task(self._drive(g)) for g in self.groups]
+        tasks = [asyncio.create_task(self._drive(w)) for w in self.workers]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -286,4 +286,4 @@ class Engine:
 
     def _end(self, request: Request, reason: FinishReason, message: str) -> None:
         """Finish a request the serving side ends (its lane frees its row and blocks)."""
-        self.groups[request.worker].end(request, reason, message)
+        self.workers[request.worker].end(request, reason, message)

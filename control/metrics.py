@@ -165,7 +165,7 @@ class _EngineState(Collector):
                                      labels=["worker"])
         generation = CounterMetricFamily("ttserve_generation_tokens", "Generated tokens.",
                                          labels=["worker"])
-        for g in engine.groups:
+        for g in engine.workers:
             prompt.add_metric([str(g.index)], metrics.prompt_tokens[g.index])
             generation.add_metric([str(g.index)], metrics.generation_tokens[g.index])
         yield from (prompt, generation, metrics.itl.family())
@@ -193,7 +193,7 @@ class _EngineState(Collector):
                                     "--stall-timeout.", labels=["worker"])
         warmup = GaugeMetricFamily("ttserve_worker_warmup_progress",
                                    "Warmup progress of the worker, 0-1.", labels=["worker"])
-        for g in engine.groups:
+        for g in engine.workers:
             w = str(g.index)
             for load in g.loads():
                 labels = [w, str(load.lane)]

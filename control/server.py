@@ -53,16 +53,16 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def GetModelInfo(self, request: engine_pb2.ModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
         engine = self.engine
-        ready = [g for g in engine.groups if g.ready]
+        ready = [g for g in engine.workers if g.ready]
         if not ready or engine.serving is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"the control plane is not ready: {engine.not_ready_reason}")
         first = ready[0].description
-        lanes = [lane for g in ready for lane in g.group.lanes]
+        lanes = [load for g in ready for load in g.loads()]
         return engine_pb2.ModelInfo(
             model_path=first.model_path, architecture=first.architecture,
             max_model_len=engine.serving.max_model_len, vocab_size=first.vocab_size,
-            block_size=first.block_size, num_blocks=sum(lane.pool.num_blocks for lane in lanes),
+            block_size=first.block_size, num_blocks=sum(lane.blocks_total for lane in lanes),
             max_num_seqs=engine.config.max_num_seqs, num_lanes=len(lanes))
 
     async def GetServerInfo(self, request: engine_pb2.ServerInfoRequest,
@@ -70,17 +70,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         engine = self.engine
         info = engine_pb2.ServerInfo(protocol_version=PROTOCOL_VERSION, version=ttserve.__version__,
                                      ready=engine.ready, draining=engine.draining)
-        for group in engine.groups:
-            d = group.description
-            lanes = group.group.lanes if group.group else []
-            info.workers.add(address=group.address, ready=group.ready,
+        for worker in engine.workers:
+            d = worker.description
+            lanes = worker.loads()
+            info.workers.add(address=worker.address, ready=worker.ready,
                              backend=d.backend if d else "", mesh=d.device if d else "",
-                             num_lanes=len(lanes), num_steps=group.num_steps,
-                             num_running=sum(len(lane.running) for lane in lanes),
-                             num_waiting=sum(lane.num_waiting for lane in lanes),
-                             kv_blocks_used=sum(lane.pool.num_used for lane in lanes),
-                             kv_blocks_total=sum(lane.pool.num_blocks for lane in lanes),
-                             stalled=group.stalled, state=group.state)
+                             num_lanes=len(lanes), num_steps=worker.num_steps,
+                             num_running=sum(lane.running for lane in lanes),
+                             num_waiting=sum(lane.waiting for lane in lanes),
+                             kv_blocks_used=sum(lane.blocks_used for lane in lanes),
+                             kv_blocks_total=sum(lane.blocks_total for lane in lanes),
+                             stalled=worker.stalled, state=worker.state)
         return info
 
 

@@ -63,11 +63,16 @@ class Stepped:
 
 @dataclass(slots=True)
 class LaneLoad:
-    """A lane's queues and KV use, as metrics export them."""
+    """A lane's queues and KV blocks, as metrics and server info report them."""
     lane: int
     running: int
     waiting: int
-    kv_usage: float
+    blocks_used: int
+    blocks_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.blocks_used / self.blocks_total
 
 
 class WorkerGroup:
@@ -83,7 +88,7 @@ class WorkerGroup:
         self.config = config
         self.metrics = metrics or ControlMetrics()
         self.metrics.stalls.labels(str(index))  # exported as 0 from the start, for alert rules
-        self.group: LaneGroup | None = None
+        self.lane_group: LaneGroup | None = None
         self.description: WorkerDescription | None = None
         self.not_ready_reason = f"connecting to the worker at {address}"
         self.num_steps = 0
@@ -99,7 +104,7 @@ class WorkerGroup:
 
     @property
     def ready(self) -> bool:
-        return self.group is not None
+        return self.lane_group is not None
 
     @property
     def stalled(self) -> bool:
@@ -114,7 +119,7 @@ class WorkerGroup:
 
     def totals(self) -> LaneTotals:
         totals = replace(self._retired)
-        return totals.add(self.group) if self.group is not None else totals
+        return totals.add(self.lane_group) if self.lane_group is not None else totals
 
     def wake(self) -> None:
         self._wake.set()
@@ -122,26 +127,26 @@ class WorkerGroup:
     # ---- what the engine reads and asks of the lanes -------------------------------------------
     def candidates(self) -> list[Candidate]:
         """This worker's lanes as placement sees them (empty until it serves)."""
-        lanes = self.group.lanes if self.group is not None else []
+        lanes = self.lane_group.lanes if self.lane_group is not None else []
         return [Candidate(self.index, i, lane) for i, lane in enumerate(lanes)]
 
     def admit(self, request: Request, lane: int) -> None:
-        assert self.group is not None
+        assert self.lane_group is not None
         request.worker, request.lane = self.index, lane
-        self.group.lanes[lane].add(request)
+        self.lane_group.lanes[lane].add(request)
         self.wake()
 
     def end(self, request: Request, reason: FinishReason, message: str) -> None:
         """Finish `request` now (its lane frees its row and blocks with the next step)."""
-        if self.group is not None:
-            self.group.lanes[request.lane].finish(request, reason, message)
+        if self.lane_group is not None:
+            self.lane_group.lanes[request.lane].finish(request, reason, message)
         else:
             request.finish(reason, message)
         self.wake()
 
     def loads(self) -> list[LaneLoad]:
-        lanes = self.group.lanes if self.group is not None else []
-        return [LaneLoad(lane.lane, len(lane.running), lane.num_waiting, lane.pool.num_used / lane.pool.num_blocks)
+        lanes = self.lane_group.lanes if self.lane_group is not None else []
+        return [LaneLoad(lane.lane, len(lane.running), lane.num_waiting, lane.pool.num_used, lane.pool.num_blocks)
                 for lane in lanes]
 
     # ---- the worker's life ----------------------------------------------------------------------
@@ -186,15 +191,15 @@ class WorkerGroup:
             log.warning("--async-scheduling: the worker at %s cannot pipeline decode steps (%s does "
                         "not support async decode, or decode samples on the host); turned off",
                         warm.address, warm.architecture)
-        self.group = self._build_group(warm, self._num_lanes, max_model_len, self._batched)
+        self.lane_group = self._build_group(warm, self._num_lanes, max_model_len, self._batched)
 
     def release(self) -> list[Request]:
         """Tear the lane group down (the link too); returns the requests it held."""
-        held = [r for lane in self.group.lanes for r in (*lane.running, *lane.waiting, *lane.skipped)] \
-            if self.group is not None else []
-        if self.group is not None:
-            self._retired.add(self.group)
-        self.group = self._warm = None
+        held = [r for lane in self.lane_group.lanes for r in (*lane.running, *lane.waiting, *lane.skipped)] \
+            if self.lane_group is not None else []
+        if self.lane_group is not None:
+            self._retired.add(self.lane_group)
+        self.lane_group = self._warm = None
         self.connected = False
         self.stalled_since = None
         self.warmup_progress = 0.0
@@ -260,7 +265,7 @@ class WorkerGroup:
         batch keeps two steps in flight: step N+1 is planned and sent before N's result arrives,
         feeding N's tokens from the device; anything else drains the pipeline (an empty flush)
         and steps one at a time. A link that ends raises WorkerLost with the requests held."""
-        group, link = self.group, self._link
+        group, link = self.lane_group, self._link
         assert group is not None and link is not None
         await link.open()
         ended = asyncio.ensure_future(link.ended())
@@ -302,7 +307,7 @@ class WorkerGroup:
         now = time.monotonic()
         for work in plan.prefill if plan is not None else ():
             work.request.record_scheduled(now)
-        await link.send(plan, self.group.max_num_seqs, pipelined)
+        await link.send(plan, self.lane_group.max_num_seqs, pipelined)
         in_flight.append((plan, pipelined, now))
 
     async def _receive(self, link: WorkerLink) -> StepOutcome:
@@ -319,7 +324,7 @@ class WorkerGroup:
                 if self.stalled_since is None:
                     self.stalled_since = waiting_since
                     self.metrics.stalls.labels(str(self.index)).inc()
-                    lanes = self.group.lanes if self.group is not None else []
+                    lanes = self.lane_group.lanes if self.lane_group is not None else []
                     log.error("worker %s at %s stalled: no step result for %.0f s with %d request(s) "
                               "on it (see --stall-timeout)", self.index, self.address,
                               self.config.stall_timeout_s, sum(len(lane.running) for lane in lanes))

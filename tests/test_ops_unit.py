@@ -111,10 +111,10 @@ def test_lane_counters_survive_the_lane_group_being_rebuilt():
         return LaneGroup([scheduler])
 
     g = WorkerGroup(0, "w:0", EngineConfig(workers=("w:0",)))
-    g.group = lane_group(5, 2, 1)
+    g.lane_group = lane_group(5, 2, 1)
     assert g.totals() == LaneTotals(20, 8, 1)          # tokens = blocks x block size
-    g._retired.add(g.group)                            # what a reconnect does
-    g.group = lane_group(1, 1, 0)
+    g._retired.add(g.lane_group)                            # what a reconnect does
+    g.lane_group = lane_group(1, 1, 0)
     assert g.totals() == LaneTotals(24, 12, 1)
 
 

@@ -229,6 +229,19 @@ def test_a_pipelined_decode_pair_feeds_the_second_step_from_the_device(model_dir
     assert runner.finish(n2).tokens == {"seeded": expected("seeded", step3["seeded"], position["seeded"] + 2)}
 
 
+def test_the_runner_returns_a_pipelined_decode_after_the_next_batch_is_launched(model_dir, monkeypatch):
+    runner, ttnn, _ = ttnn_runner(model_dir, monkeypatch, sample_on_device_mode="all")
+    last = prefill(runner).tokens
+    position = {rid: len(ids) for rid, ids in PROMPTS.items()}
+    assert runner.step(decode(runner, 2, last, position, async_readback=True)) == []  # held on the device
+    follow = StepBatch(3, "decode", async_readback=True, decode=[
+        DecodeItem(rid, 0, position[rid] + 1, [], use_previous_token=True) for rid in last])
+    [second] = runner.step(follow)                      # step 2 comes back once step 3 is launched
+    assert (second.step_id, second.kind) == (2, "decode") and second.total_s >= second.model_s > 0
+    [third, flush] = runner.step(StepBatch(4, "empty"))  # a flush returns the held step, then itself
+    assert (third.step_id, flush.step_id) == (3, 4) and not runner._deferred
+
+
 def test_a_stream_that_ends_with_a_decode_in_flight_leaves_the_next_stream_a_clean_device(
         model_dir, monkeypatch):
     runner, ttnn, _ = ttnn_runner(model_dir, monkeypatch, sample_on_device_mode="all")

@@ -85,10 +85,11 @@ class StepBatch:
 @dataclass(slots=True)
 class StepResult:
     step_id: int
+    kind: str = ""                 # empty | prefill | decode
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
-    model_s: float = 0.0
-    total_s: float = 0.0
+    model_s: float = 0.0           # launch to readback
+    total_s: float = 0.0           # the batch's arrival to its result
     traced: bool = False
     sampled_on_device: bool = False
 

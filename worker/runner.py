@@ -68,6 +68,7 @@ class Launched:
     """A step started on the device; `readback` is set while a decode's result is still there."""
     result: StepResult
     started: float
+    received: float                 # when its batch arrived (perf_counter)
     readback: tuple | None = None   # (the device API's pending decode, decode items)
 
     @property
@@ -279,17 +280,31 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> StepResult:
         return self.finish(self.launch(batch))
 
-    def launch(self, batch: StepBatch) -> Launched:
+    def step(self, batch: StepBatch, received: float | None = None) -> list[StepResult]:
+        """Runs one step batch of the stream and returns the results now complete, in step order.
+
+        The pipeline lives here alone: a decode launched pipelined stays on the device (in
+        `_deferred`) until the next batch has been launched, then its result is returned ahead of
+        that batch's (which itself may stay, if pipelined too)."""
+        launched = self.launch(batch, received)
+        done = [self.finish(earlier) for earlier in self._deferred[:] if earlier is not launched]
+        if not launched.deferred:
+            done.append(self.finish(launched))
+        return done
+
+    def launch(self, batch: StepBatch, received: float | None = None) -> Launched:
         """Start a step. A pipelined decode (async_readback) returns with its result still on
         the device; `finish` collects it, after the next step has been launched."""
         if self.config is None:
             raise StepError("step received before warmup")
         started = time.perf_counter()
+        received = started if received is None else received
         for request_id in batch.released_ids:
             self._requests.pop(request_id, None)
         for new in batch.new_requests:
             self._add(new)
-        launched = Launched(StepResult(step_id=batch.step_id, traced=self.options.traced(batch.kind)), started)
+        launched = Launched(StepResult(step_id=batch.step_id, kind=batch.kind, traced=self.options.traced(batch.kind)),
+                            started, received)
         if batch.kind == "prefill":
             result = launched.result
             result.tokens, result.logprobs, result.sampled_on_device = self._prefill(batch.prefill)
@@ -305,7 +320,8 @@ class ModelRunner:
             pending, items = launched.readback
             out = self.device_api.finish_decode(self.model, pending)
             result.tokens = self._collect(items, out.reshape(-1).tolist())
-        result.model_s = time.perf_counter() - launched.started
+        now = time.perf_counter()
+        result.model_s, result.total_s = now - launched.started, now - launched.received
         return result
 
     def _add(self, new: NewRequest) -> None:

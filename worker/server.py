@@ -14,7 +14,7 @@ from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
 from .metrics import WorkerMetrics
-from .runner import Launched, ModelRunner
+from .runner import ModelRunner
 from .wire import batch_from_pb, config_from_pb, config_to_pb, result_to_pb
 
 log = logging.getLogger(__name__)
@@ -155,25 +155,13 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         loop = asyncio.get_running_loop()
         async with self._stream_lock:
             self.runner.reset()
-            # A pipelined decode and when its batch arrived; finished once the next is launched
-            # (one the stream ends with stays for the runner's next reset).
-            held: tuple[Launched, float] | None = None
             async for pb in batches:
                 received = time.perf_counter()
                 batch = batch_from_pb(pb)
                 self._stepping = True
                 try:
-                    launched = await asyncio.to_thread(self.runner.launch, batch)
-                    if held is not None:
-                        earlier = await asyncio.to_thread(self.runner.finish, held[0])
-                        earlier.total_s = time.perf_counter() - held[1]
-                        self.metrics.step("decode", earlier)
-                        yield result_to_pb(earlier)
-                        held = None
-                    if launched.deferred:
-                        held = (launched, received)
-                        continue
-                    result = await asyncio.to_thread(self.runner.finish, launched)
+                    # The runner holds a pipelined decode until the next batch is launched.
+                    results = await asyncio.to_thread(self.runner.step, batch, received)
                 except Exception as e:  # the stream ends; the control plane fails these requests
                     log.exception("step %d failed", pb.step_id)
                     yield device_pb2.StepResult(step_id=pb.step_id, error=f"{type(e).__name__}: {e}")
@@ -181,9 +169,9 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 finally:
                     self._stepping = False
                     self._last_step = loop.time()
-                result.total_s = time.perf_counter() - received
-                self.metrics.step(batch.kind, result)
-                yield result_to_pb(result)
+                for result in results:
+                    self.metrics.step(result.kind, result)
+                    yield result_to_pb(result)
 
 
 async def serve(service: DeviceService, host: str, port: int) -> GrpcService:
