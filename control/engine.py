@@ -125,7 +125,7 @@ class Engine:
             worker = self.workers[request.worker]
             error = f.exception() if not f.cancelled() else GrammarError("grammar compilation was cancelled")
             if error is None:
-                request.grammar, request.ready = f.result(), True
+                worker.grammar_compiled(request, f.result())
                 log.debug("request %s: %s grammar compiled in %.3f s", request.request_id, spec.kind,
                           time.monotonic() - started)
             else:
@@ -134,7 +134,6 @@ class Engine:
                 log.info("request %s: %s", request.request_id, message)
                 self._end(request, FinishReason.ERROR, message)
                 self._publish(0, [request])
-            worker.wake()
 
         future.add_done_callback(done)
 

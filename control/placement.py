@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .prefix_hash import extend_block_hashes
 from .request import Request
 from .scheduler import Scheduler
 
@@ -32,7 +31,7 @@ def choose_lane(candidates: list[Candidate], request: Request) -> Candidate:
     best = min(candidates, key=lambda c: c.score)
     caching = [c for c in candidates if c.lane.pool.enable_caching and c.score <= best.score + NEAR_EQUAL]
     if caching and request.num_tokens > caching[0].lane.pool.block_size:
-        hashes = extend_block_hashes(request, caching[0].lane.pool.block_size, request.num_tokens - 1)
+        hashes = request.full_block_hashes(caching[0].lane.pool.block_size, request.num_tokens - 1)
         hits = [(len(c.lane.pool.lookup(hashes)), -c.score) for c in caching]
         top = max(hits)
         if top[0] > 0:

@@ -7,29 +7,18 @@ default (non-cryptographic) mode makes.
 """
 from __future__ import annotations
 
-from .request import Request
+from collections.abc import Iterable
+
+SEED = "ttserve-prefix"
 
 
-def extend_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[int]:
-    """Hashes of the request's full blocks within its first num_tokens tokens, extending (and
-    returning) request.block_hashes; only blocks not hashed before are hashed."""
-    hashes = request.block_hashes
-    full = num_tokens // block_size
-    if len(hashes) < full:
-        parent = hashes[-1] if hashes else hash(("ttserve-prefix", request.cache_salt))
-        for i in range(len(hashes), full):
-            parent = hash((parent, _tokens(request, i * block_size, (i + 1) * block_size)))
-            hashes.append(parent)
+def chain_hashes(parent: int | None, cache_salt: str, blocks: Iterable[tuple[int, ...]]) -> list[int]:
+    """The chained hashes of `blocks` (each a full block's tokens) following the block hashed
+    `parent` (None: they start the sequence). Pure: the caller keeps the chain."""
+    if parent is None:
+        parent = hash((SEED, cache_salt))
+    hashes = []
+    for tokens in blocks:
+        parent = hash((parent, tokens))
+        hashes.append(parent)
     return hashes
-
-
-def _tokens(request: Request, start: int, end: int) -> tuple[int, ...]:
-    """request.all_token_ids[start:end] without copying the whole sequence (this runs for every
-    block that fills, in the step loop)."""
-    prompt = request.prompt_token_ids
-    if end <= len(prompt):
-        return tuple(prompt[start:end])
-    outputs = request.output_token_ids
-    if start >= len(prompt):
-        return tuple(outputs[start - len(prompt):end - len(prompt)])
-    return tuple(prompt[start:]) + tuple(outputs[:end - len(prompt)])

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
 
+from .prefix_hash import chain_hashes
+
 __all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams", "TokenLogprobs"]
 
 if TYPE_CHECKING:
@@ -141,6 +143,27 @@ class Request:
     def finish(self, reason: FinishReason, error: str = "") -> None:
         """Mark it finished; whoever held its slot and blocks has given them back."""
         self.status, self.finish_reason, self.error = RequestStatus.FINISHED, reason, error
+
+    def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
+        """Chained hashes (prefix_hash.py) of the full blocks within its first `num_tokens`
+        tokens; blocks hashed before are not hashed again (the chain is kept here)."""
+        full = num_tokens // block_size
+        known = self.block_hashes
+        if len(known) < full:
+            known += chain_hashes(known[-1] if known else None, self.cache_salt,
+                                  (self._tokens(i * block_size, (i + 1) * block_size) for i in range(len(known), full)))
+        return known
+
+    def _tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """all_token_ids[start:end] without copying the whole sequence (this runs for every block
+        that fills, in the step loop)."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return tuple(prompt[start:end])
+        outputs = self.output_token_ids
+        if start >= len(prompt):
+            return tuple(outputs[start - len(prompt):end - len(prompt)])
+        return tuple(prompt[start:]) + tuple(outputs[:end - len(prompt)])
 
     def samples_on_host(self, in_flight: int = 0) -> bool:
         """Its next token is sampled on the host, so its batch cannot be pipelined: its options

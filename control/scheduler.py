@@ -9,14 +9,17 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import logging
 
 from .blocks import BlockPool
-from .prefix_hash import extend_block_hashes
 from .request import FinishReason, Request, RequestStatus, TokenLogprobs
 from .step import DecodeWork, PrefillWork, StepKind, StepPlan
 from .stop import check_stop
+
+if TYPE_CHECKING:
+    from .grammar import Grammar
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,10 @@ class Scheduler:
         else:
             self.skipped.remove(request)
         request.finish(reason, error)
+
+    def grammar_compiled(self, request: Request, grammar: Grammar) -> None:
+        """`request`'s grammar is ready: it may be scheduled (it waited aside until now)."""
+        request.grammar, request.ready = grammar, True
 
     @property
     def num_waiting(self) -> int:
@@ -184,7 +191,7 @@ class Scheduler:
         hits: list[int] = []
         if self.pool.enable_caching:
             # The last known token is always computed: it yields the logits to sample from.
-            hashes = extend_block_hashes(request, self.pool.block_size, request.num_tokens - 1)
+            hashes = request.full_block_hashes(self.pool.block_size, request.num_tokens - 1)
             hits = self.pool.lookup(hashes)
             if len(hits) < len(hashes) and hashes[len(hits)] in self._prefix_being_computed():
                 # A running request (a sibling of `n` > 1, or the same prompt just before) is
@@ -364,7 +371,7 @@ class Scheduler:
         """Blocks that just became full and computed join the prefix cache."""
         full = request.num_computed_tokens // self.pool.block_size
         if self.pool.enable_caching and full > request.num_published_blocks:
-            hashes = extend_block_hashes(request, self.pool.block_size, request.num_computed_tokens)
+            hashes = request.full_block_hashes(self.pool.block_size, request.num_computed_tokens)
             for i in range(request.num_published_blocks, full):
                 self.pool.cache(request.block_ids[i], hashes[i])
             request.num_published_blocks = full

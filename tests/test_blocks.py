@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 from ttserve.control.blocks import BlockPool
-from ttserve.control.prefix_hash import extend_block_hashes
 from ttserve.control.request import Request, SamplingParams
 
 
@@ -72,11 +71,13 @@ def test_lookup_stops_at_the_first_miss_and_caching_off_never_hits():
 def test_hashes_chain_prefixes_and_salt():
     def req(tokens, salt=""):
         return Request("r", tokens, SamplingParams(max_tokens=1), cache_salt=salt)
-    base = extend_block_hashes(req(list(range(12))), 4, 12)
+    base = req(list(range(12))).full_block_hashes(4, 12)
     assert len(base) == 3
     # Same second block after a different first block: different hash (the chain).
-    other = extend_block_hashes(req([9, 9, 9, 9] + list(range(4, 12))), 4, 12)
+    other = req([9, 9, 9, 9] + list(range(4, 12))).full_block_hashes(4, 12)
     assert other[1] != base[1] and other[0] != base[0]
-    assert extend_block_hashes(req(list(range(12))), 4, 12) == base
-    assert extend_block_hashes(req(list(range(12)), salt="tenant-b"), 4, 12)[0] != base[0]
-    assert len(extend_block_hashes(req(list(range(11))), 4, 11)) == 2  # only full blocks
+    assert req(list(range(12))).full_block_hashes(4, 12) == base
+    assert req(list(range(12)), salt="tenant-b").full_block_hashes(4, 12)[0] != base[0]
+    assert len(req(list(range(11))).full_block_hashes(4, 11)) == 2  # only full blocks
+    grown = req(list(range(8)))
+    assert grown.full_block_hashes(4, 4) == base[:1] and grown.full_block_hashes(4, 8) == base[:2]  # extended
