@@ -185,8 +185,9 @@ class WorkerGroup:
                         "%d to max_model_len %d", batched, max_model_len)
             batched = max_model_len
         self.not_ready_reason = f"worker at {link.address} is warming up"
-        self._warm = await link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched,
-                                       self._warmup_progressed)
+        async for progress in link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched):
+            self.warmup_progress = progress.fraction
+            self._warm = progress.description
         self._batched, self._num_lanes = batched, num_lanes
         return self._warm
 
@@ -218,9 +219,6 @@ class WorkerGroup:
         if self._link is not None:
             link, self._link = self._link, None
             await link.close()
-
-    def _warmup_progressed(self, completed: int, total: int) -> None:
-        self.warmup_progress = completed / total if total else 0.0
 
     def _lanes_for(self, d: WorkerDescription) -> int:
         """The topology rules, checked before the worker touches its device."""

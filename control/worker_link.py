@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -14,6 +15,12 @@ from .lanes import GroupPlan
 from .wire import StepOutcome, WorkerDescription, description_from_pb, step_batch_to_pb, step_result_from_pb
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class WarmupProgress:
+    fraction: float                                # 0-1, as the worker reports it
+    description: WorkerDescription | None = None   # set on the last: the warm worker
 
 
 class WorkerError(RuntimeError):
@@ -38,11 +45,9 @@ class WorkerLink:
         return description_from_pb(d, self.address)
 
     async def warmup(self, num_lanes: int, max_num_seqs: int, max_model_len: int,
-                     max_num_batched_tokens: int,
-                     progressed: Callable[[int, int], None] = lambda completed, total: None
-                     ) -> WorkerDescription:
-        """Warm the worker up for this configuration; `progressed(completed, total)` follows
-        its progress."""
+                     max_num_batched_tokens: int) -> AsyncIterator[WarmupProgress]:
+        """Warm the worker up for this configuration, yielding its progress; the last item
+        carries the warm worker's description."""
         request = device_pb2.WarmupRequest(num_lanes=num_lanes, max_num_seqs=max_num_seqs,
                                            max_model_len=max_model_len,
                                            max_num_batched_tokens=max_num_batched_tokens)
@@ -51,10 +56,11 @@ class WorkerLink:
             async for progress in self._stub.Warmup(request, metadata=CALL_METADATA):
                 log.info("worker %s warmup: %s %d/%d %s", self.address, progress.phase,
                          progress.completed, progress.total, progress.detail)
-                progressed(progress.completed, progress.total)
                 if progress.done:
                     log.info("worker %s warm after %.1f s", self.address, time.monotonic() - started)
-                    return description_from_pb(progress.description, self.address)
+                    yield WarmupProgress(1.0, description_from_pb(progress.description, self.address))
+                    return
+                yield WarmupProgress(progress.completed / progress.total if progress.total else 0.0)
         except grpc.aio.AioRpcError as e:
             raise WorkerError(f"worker at {self.address} failed warmup: {e.details()}") from e
         raise WorkerError(f"worker at {self.address} ended warmup without reporting done")
