@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="a worker holding a step this long without a result is reported stalled")
+    g.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                   help="when a worker is lost, its requests move to another ready worker (or to it "
+                        "once it is back) and recompute from prompt + the tokens they have, at most N "
+                        "times each; 0: they fail with the worker")
+    g.add_argument("--migration-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="how long a migrating request waits for a ready worker before it fails")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -77,6 +83,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     if not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be a port number (0: none), got {args.metrics_port}")
+    if args.migration_limit < 0 or args.migration_timeout <= 0:
+        raise ConfigError(f"--migration-limit must be 0 or more and --migration-timeout positive seconds, got "
+                          f"{args.migration_limit} and {args.migration_timeout}")
     if args.max_consecutive_prefill_steps < 1:
         raise ConfigError("--max-consecutive-prefill-steps must be at least 1, got "
                           f"{args.max_consecutive_prefill_steps}")
@@ -87,7 +96,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling,
                         max_consecutive_prefills=args.max_consecutive_prefill_steps,
-                        tokenizer=args.tokenizer, stall_timeout_s=args.stall_timeout)
+                        tokenizer=args.tokenizer, stall_timeout_s=args.stall_timeout,
+                        migration_limit=args.migration_limit, migration_timeout_s=args.migration_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,6 +42,10 @@ class Engine:
         self.grammars: GrammarCompiler | None = None
         self._compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ttserve-grammar")
         self.fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # Requests of a lost worker waiting for a ready one (in the order they were lost).
+        self._migrating: list[Request] = []
+        for outcome in ("requeued", "failed_limit", "failed_timeout"):
+            self.metrics.migrations.labels(outcome)  # exported as 0 from the start
 
     @property
     def ready(self) -> bool:
@@ -171,12 +175,13 @@ class Engine:
             try:
                 warm = await worker.connect()
                 worker.start(self._check_limits(warm, warm.num_blocks_per_lane * warm.block_size).max_model_len)
+                self._place_migrating()
                 async for stepped in worker.steps():
                     self._publish(stepped.step_id, stepped.changed)
             except WorkerError as e:
                 worker.not_ready_reason = str(e)
                 log.error("%s; reconnecting", e)
-                self._fail(e.requests if isinstance(e, WorkerLost) else worker.release(), str(e))
+                self._migrate(e.requests if isinstance(e, WorkerLost) else worker.release(), str(e))
             finally:
                 worker.release()
                 await worker.close()
@@ -270,19 +275,64 @@ class Engine:
         error = f" error={json.dumps(request.error)}" if request.error else ""
         request_log.info(
             "request_finished id=%s worker=%d lane=%d prompt_tokens=%d generated_tokens=%d "
-            "cached_tokens=%d preemptions=%d ttft_s=%s duration_s=%.3f finish_reason=%s%s",
+            "cached_tokens=%d preemptions=%d migrations=%d ttft_s=%s duration_s=%.3f finish_reason=%s%s",
             json.dumps(request.request_id), request.worker, request.lane, request.num_prompt_tokens,
-            len(request.output_token_ids), request.num_cached_tokens, request.num_preemptions, ttft,
+            len(request.output_token_ids), request.num_cached_tokens, request.num_preemptions,
+            request.num_migrations, ttft,
             now - request.received_time, request.finish_reason.value if request.finish_reason else "-",
             error)
 
-    def _fail(self, lost: list[Request], message: str) -> None:
-        """Requests whose worker went away end with an error that says so."""
-        failed = [r for r in lost if self.requests.pop(r.request_id, None) is not None]
-        for request in failed:
-            self._end(request, FinishReason.ERROR, message)
+    # ---- migration -------------------------------------------------------------------------
+    def _migrate(self, lost: list[Request], reason: str) -> None:
+        """Requests of a lost worker move to a lane of a ready worker (or of this one once it is
+        back), where they recompute from prompt + the tokens they have: the client sees a pause,
+        not an error. Past --migration-limit they fail with the cause; a request that finds no
+        ready worker within --migration-timeout fails too."""
+        failed: list[Request] = []
+        loop = asyncio.get_running_loop()
+        for request in lost:
+            if self.requests.get(request.request_id) is not request:
+                continue  # ended meanwhile
+            if request.num_migrations >= self.config.migration_limit:
+                self.metrics.migrations.labels("failed_limit").inc()
+                request.finish(FinishReason.ERROR, f"{reason}; the request was not migrated again: it moved "
+                               f"{request.num_migrations} time(s) already (--migration-limit "
+                               f"{self.config.migration_limit})")
+                failed.append(request)
+                continue
+            request.num_migrations += 1
+            self._migrating.append(request)
+            loop.call_later(self.config.migration_timeout_s, self._migration_expired, request, reason)
+        if self._migrating:
+            log.warning("migrating %d request(s) off the lost worker: %s", len(self._migrating), reason)
+        self._place_migrating()
         self._publish(0, failed)
+
+    def _place_migrating(self) -> None:
+        ready = self._serving_workers()
+        if not ready:
+            return
+        for request in self._migrating:
+            placed = choose_lane([c for w in ready for c in w.candidates()], request)
+            self.workers[placed.worker].adopt(request, placed.index)
+            self.metrics.migrations.labels("requeued").inc()
+            log.info("request %s migrated to worker %d lane %d: recomputing %d tokens", request.request_id,
+                     placed.worker, placed.index, request.num_tokens)
+        self._migrating.clear()
+
+    def _migration_expired(self, request: Request, reason: str) -> None:
+        if request not in self._migrating:
+            return  # placed, or ended
+        self._migrating.remove(request)
+        self.metrics.migrations.labels("failed_timeout").inc()
+        request.finish(FinishReason.ERROR, f"{reason}; no worker was ready to take the request within "
+                       f"--migration-timeout {self.config.migration_timeout_s:g} s")
+        self._publish(0, [request])
 
     def _end(self, request: Request, reason: FinishReason, message: str) -> None:
         """Finish a request the serving side ends (its lane frees its row and blocks)."""
+        if request in self._migrating:  # on no lane
+            self._migrating.remove(request)
+            request.finish(reason, message)
+            return
         self.workers[request.worker].end(request, reason, message)

@@ -107,6 +107,11 @@ class ControlMetrics:
                                 ["worker", "path"], registry=r)
         self.drains = Counter("ttserve_async_drains", "Async-decode pipeline drains, by reason.",
                               ["worker", "reason"], registry=r)
+        self.migrations = Counter("ttserve_request_migrations",
+                                  "Requests of a lost worker, by outcome: requeued (on another lane, or "
+                                  "the worker once back), failed_limit (--migration-limit reached), "
+                                  "failed_timeout (no worker ready within --migration-timeout).",
+                                  ["outcome"], registry=r)
         self.stalls = Counter("ttserve_worker_stalls", "Times a worker was found stalled.",
                               ["worker"], registry=r)
 

@@ -95,6 +95,7 @@ class Request:
     grammar_spec: GrammarSpec | None = None
     grammar: Grammar | None = None
     num_preemptions: int = 0
+    num_migrations: int = 0              # times it moved off a lost worker
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     error: str = ""

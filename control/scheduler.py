@@ -77,6 +77,18 @@ class Scheduler:
             self.skipped.remove(request)
         request.finish(reason, error)
 
+    def adopt(self, request: Request) -> None:
+        """A request migrated from a lost worker's lane: it joins the head of the queue with
+        nothing on any device and recomputes from prompt + the tokens it has, as a preempted
+        request resumes (the client has seen those tokens and sees no others twice)."""
+        request.status = RequestStatus.WAITING
+        request.block_ids = []
+        request.num_published_blocks = 0
+        request.num_computed_tokens = 0
+        request.prefilled = False
+        request.slot = None
+        self.waiting.appendleft(request)
+
     def grammar_compiled(self, request: Request, grammar: Grammar) -> None:
         """`request`'s grammar is ready: it may be scheduled (it waited aside until now)."""
         request.grammar, request.ready = grammar, True

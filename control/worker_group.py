@@ -140,6 +140,13 @@ class WorkerGroup:
         self.lane_group.lanes[lane].add(request)
         self.wake()
 
+    def adopt(self, request: Request, lane: int) -> None:
+        """Take over a request migrated from a lost worker (Scheduler.adopt)."""
+        assert self.lane_group is not None
+        request.worker, request.lane = self.index, lane
+        self.lane_group.lanes[lane].adopt(request)
+        self.wake()
+
     def end(self, request: Request, reason: FinishReason, message: str) -> None:
         """Finish `request` now (its lane frees its row and blocks with the next step)."""
         if self.lane_group is not None:
@@ -261,7 +268,7 @@ class WorkerGroup:
                  "tokens per lane; max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, "
                  "prefix caching %s, prefill lengths %s, async decode %s", self.index, warm.address, warm.backend,
                  warm.device, num_lanes, c.max_num_seqs,
-                 "as one program (single-execute)" if warm.single_execute_lanes else "(independent group)",
+                 "in one process" if warm.single_execute_lanes else "(independent group)",
                  warm.num_blocks_per_lane, warm.block_size, max_model_len, batched,
                  "on" if config.chunked_prefill else "off", "on" if caching else "off",
                  warm.prefill_buckets or "any", "on" if self.async_decode else "off")

@@ -245,7 +245,8 @@ def test_past_the_shutdown_timeout_the_rest_is_aborted_with_a_reason(tmp_path, s
 
 
 def test_sigterm_on_the_worker_lets_the_control_plane_step_then_exits_cleanly(tmp_path, smollm2):
-    with engine_stack(tmp_path, smollm2, worker_flags=("--shutdown-timeout", "3")) as (stack, client):
+    with engine_stack(tmp_path, smollm2, worker_flags=("--shutdown-timeout", "3"),
+                      control_flags=("--migration-timeout", "3")) as (stack, client):
         worker = stack.services[0]
         client.add("long", [1, 2, 3, 4], 2000, eos_token_ids=())
         first_tokens(client, "long")
@@ -255,7 +256,9 @@ def test_sigterm_on_the_worker_lets_the_control_plane_step_then_exits_cleanly(tm
                    "the worker to report draining")
         assert get(f"{stack.worker_metrics_urls[0]}/ready")[0] == 503
         result = client.collect({"long"}, timeout=60)["long"]
-        # It kept stepping through the drain window, then went away: the request says so.
+        # It kept stepping through the drain window, then went away; no other worker came to take
+        # the request within --migration-timeout: it says so.
         assert time.monotonic() - signalled >= 2.5
         assert result.finish_reason == FINISH.FINISH_REASON_ERROR and "worker" in result.error
+        assert "--migration-timeout 3 s" in result.error
         assert worker.proc.wait(timeout=30) == 0
