@@ -158,10 +158,10 @@ class Engine:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 error = task.exception()
-                if isinstance(error, IncompatibleWorker) and not self.fatal.done():
-                    self.fatal.set_result(str(error))
-                elif error is not None:
-                    raise error
+                if error is not None and not self.fatal.done():
+                    # The control plane cannot go on: it exits non-zero for its supervisor.
+                    self.fatal.set_result(str(error) if isinstance(error, IncompatibleWorker) else
+                                          f"the engine failed: {type(error).__name__}: {error}")
         finally:
             for task in tasks:
                 task.cancel()
@@ -182,6 +182,14 @@ class Engine:
                 worker.not_ready_reason = str(e)
                 log.error("%s; reconnecting", e)
                 self._migrate(e.requests if isinstance(e, WorkerLost) else worker.release(), str(e))
+            except IncompatibleWorker:
+                raise
+            except Exception as e:  # noqa: BLE001 - a fault in this worker's loop takes only its link
+                reason = (f"the control plane's step loop for the worker at {worker.address} failed "
+                          f"({type(e).__name__}: {e})")
+                log.exception("%s; reconnecting", reason)
+                worker.not_ready_reason = reason
+                self._migrate(worker.release(), reason)
             finally:
                 worker.release()
                 await worker.close()

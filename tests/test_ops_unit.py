@@ -137,3 +137,47 @@ def test_token_histogram_exports_cumulative_buckets_like_prometheus_client():
             "theirs_seconds_bucket", {"le": le})
     assert exported["ours_seconds_count", None] == 5
     assert exported["ours_seconds_sum", None] == pytest.approx(registry.get_sample_value("theirs_seconds_sum"))
+
+
+def test_a_fault_in_one_workers_loop_takes_only_its_link_and_its_requests_move():
+    """An unexpected exception in a worker's step loop (here a KeyError from its results) is
+    that worker's failure: its requests migrate to the other worker, it reconnects, and the
+    engine goes on (no zombie: nothing cancelled, `fatal` unset)."""
+    from ttserve.control.engine import Engine
+    from ttserve.control.worker_group import Stepped
+    from ttserve.control.wire import WorkerDescription
+
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(workers=("w:0", "w:1"), reconnect_interval_s=0.01))
+        connects = {0: 0, 1: 0}
+        warm = WorkerDescription("w", "torch", "cpu", "/m", "X", 100, 64, [2], True, True,
+                                 single_execute_lanes=True, num_blocks_per_lane=16, block_size=4)
+
+        for worker in engine.workers:
+            async def connect(worker=worker):
+                connects[worker.index] += 1
+                worker._warm, worker._num_lanes, worker._batched = warm, 1, 64
+                return warm
+
+            async def steps(worker=worker):
+                if worker.index == 0 and connects[0] == 1:
+                    worker.lane_group.lanes[0].add(held)   # what it held when the fault came
+                    engine.requests["r"] = held
+                    raise KeyError("a result without the token of request r")
+                await asyncio.sleep(3600)  # serves, with nothing to report
+                yield Stepped(0, [])
+
+            async def close():
+                pass
+
+            worker.connect, worker.steps, worker.close = connect, steps, close
+
+        held = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+        task = asyncio.create_task(engine.run())
+        while not all(w.ready for w in engine.workers) or connects[0] < 2:
+            await asyncio.sleep(0.01)
+        assert held.num_migrations == 1 and held in engine.workers[held.worker].lane_group.lanes[0].waiting
+        assert not held.is_finished and not engine.fatal.done() and not task.done()
+        task.cancel()
+
+    asyncio.run(scenario())
