@@ -59,9 +59,9 @@ class Engine:
         return "; ".join(f"worker {w.index} at {w.address}: {w.state}" for w in self.workers)
 
     def _serving_workers(self) -> list[WorkerGroup]:
-        """Where new requests go: warm workers, the stalled ones only if no other is left."""
-        ready = [w for w in self.workers if w.ready]
-        return [w for w in ready if not w.stalled] or ready
+        """Where new requests go: warm workers that are not stalled. With none, new requests are
+        refused at once (HTTP 503) rather than queued behind a step that may never return."""
+        return [w for w in self.workers if w.ready and not w.stalled]
 
     @property
     def limits(self) -> Limits | None:

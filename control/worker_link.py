@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from ttserve.protocol import CALL_METADATA, MESSAGE_LIMITS, check_peer_version
+from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS, check_peer_version
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
 from .lanes import GroupPlan
@@ -30,7 +30,7 @@ class WorkerError(RuntimeError):
 class WorkerLink:
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS)
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = device_pb2_grpc.DeviceStub(self._channel)
         self._stream: grpc.aio.StreamStreamCall | None = None
         self._next_step_id = 1

@@ -45,7 +45,7 @@ from ttserve.gateway.drain import Drain  # noqa: E402
 from ttserve.gateway.errors import (ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
                                     RequestRefused, record_refusal)
 from ttserve.gateway.metrics import CONNECTED, SESSIONS_LOST  # noqa: E402
-from ttserve.protocol import CALL_METADATA, MESSAGE_LIMITS, ProtocolMismatch, check_peer_version  # noqa: E402
+from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS as KEEPALIVE_CHANNEL, ProtocolMismatch, check_peer_version  # noqa: E402
 from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("ttserve.gateway.engine_client")
@@ -58,7 +58,7 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
-) + MESSAGE_LIMITS
+) + KEEPALIVE_CHANNEL
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import NoReturn
 import grpc
 
 from ttserve.gateway.readiness import describe_workers
-from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version, host_port
+from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS, ProtocolMismatch, check_peer_version, host_port
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ttserve.gateway")
@@ -244,7 +244,7 @@ def check_vllm_server_args(vllm_args: argparse.Namespace) -> None:
 async def discover(args: argparse.Namespace) -> tuple[str, engine_pb2.ModelInfo]:
     """Contact the control plane, wait until it is ready; the model folder and its limits."""
     target = args.control
-    channel = grpc.aio.insecure_channel(target)
+    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
     try:
         stub = engine_pb2_grpc.EngineStub(channel)
         info = await contact_control_plane(stub, target, args.connect_timeout)

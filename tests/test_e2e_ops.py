@@ -186,6 +186,9 @@ def test_a_stalled_worker_is_reported_and_recovers(tmp_path, smollm2):
             assert not info.ready  # its only worker is stalled
             status, body = get(f"{control_metrics}/ready")
             assert status == 503 and "stalled" in json.loads(body)["reason"]
+            client.add("newcomer", [1, 2, 3], 4)  # refused at once, not queued behind the stall
+            with pytest.raises(Refused, match="no worker is ready.*stalled"):
+                client.collect({"newcomer"}, timeout=10)
             assert metric(control_metrics, "ttserve_worker_stalls_total", worker="0") >= stalls + 1
         finally:
             worker.proc.send_signal(signal.SIGCONT)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from .protocol import CALL_METADATA, MESSAGE_LIMITS
+from .protocol import CALL_METADATA, CHANNEL_OPTIONS
 from .v1 import engine_pb2, engine_pb2_grpc
 
 
@@ -34,7 +34,7 @@ class Result:
 
 class ControlClient:
     def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=MESSAGE_LIMITS)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
         self._outgoing: queue.Queue = queue.Queue()
         self.incoming: queue.Queue = queue.Queue()

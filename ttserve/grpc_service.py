@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .ops_http import OpsEndpoints, start_ops_server
-from .protocol import MESSAGE_LIMITS, ProtocolVersionInterceptor, host_port
+from .protocol import SERVER_OPTIONS, ProtocolVersionInterceptor, host_port
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class GrpcService:
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
                        service_names: Sequence[str], what: str) -> GrpcService:
     """A started server with `register`'s servicers plus gRPC health and reflection."""
-    server = grpc.aio.server(interceptors=[ProtocolVersionInterceptor()], options=MESSAGE_LIMITS)
+    server = grpc.aio.server(interceptors=[ProtocolVersionInterceptor()], options=SERVER_OPTIONS)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -19,6 +19,20 @@ CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSIO
 MESSAGE_LIMITS: tuple[tuple[str, int], ...] = (("grpc.max_receive_message_length", 64 << 20),
                                                ("grpc.max_send_message_length", 64 << 20))
 
+# HTTP/2 keepalive on every channel: a peer that vanished without closing its connection (a host
+# powered off, a partition) is found within ~30 s instead of at the kernel's TCP timeout, and
+# idle streams (a step stream between requests) stay alive through middleboxes.
+KEEPALIVE: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 20_000),
+                                          ("grpc.keepalive_timeout_ms", 10_000),
+                                          ("grpc.keepalive_permit_without_calls", 1),
+                                          ("grpc.http2.max_pings_without_data", 0))
+# What servers accept of it (gRPC servers refuse pings more often than every 5 minutes by default).
+KEEPALIVE_ACCEPTED: tuple[tuple[str, int], ...] = (("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                                                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                                                   ("grpc.keepalive_permit_without_calls", 1))
+CHANNEL_OPTIONS = MESSAGE_LIMITS + KEEPALIVE
+SERVER_OPTIONS = MESSAGE_LIMITS + KEEPALIVE_ACCEPTED
+
 
 def host_port(host: str, port: int) -> str:
     """`host:port` as gRPC targets and URLs write it: an IPv6 address in brackets."""
