@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="a worker holding a step this long without a result is reported stalled")
+    g.add_argument("--max-num-queued-reqs", type=int, default=1024, metavar="N",
+                   help="requests waiting (over all lanes and workers) beyond which new ones are refused "
+                        "with RESOURCE_EXHAUSTED (HTTP 503 with Retry-After): bounds memory and queueing "
+                        "time under a burst")
     g.add_argument("--migration-limit", type=int, default=3, metavar="N",
                    help="when a worker is lost, its requests move to another ready worker (or to it "
                         "once it is back) and recompute from prompt + the tokens they have, at most N "
@@ -83,6 +87,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     if not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be a port number (0: none), got {args.metrics_port}")
+    if args.max_num_queued_reqs < 1:
+        raise ConfigError(f"--max-num-queued-reqs must be a positive count, got {args.max_num_queued_reqs}")
     if args.migration_limit < 0 or args.migration_timeout <= 0:
         raise ConfigError(f"--migration-limit must be 0 or more and --migration-timeout positive seconds, got "
                           f"{args.migration_limit} and {args.migration_timeout}")
@@ -97,6 +103,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         async_scheduling=args.async_scheduling,
                         max_consecutive_prefills=args.max_consecutive_prefill_steps,
                         tokenizer=args.tokenizer, stall_timeout_s=args.stall_timeout,
+                        max_num_queued_reqs=args.max_num_queued_reqs,
                         migration_limit=args.migration_limit, migration_timeout_s=args.migration_timeout)
 
 

@@ -44,6 +44,8 @@ class Engine:
         self.fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         # Requests of a lost worker waiting for a ready one (in the order they were lost).
         self._migrating: list[Request] = []
+        for reason in ("invalid", "unavailable", "draining", "overloaded"):
+            self.metrics.refused.labels(reason)  # exported as 0 from the start
         for outcome in ("requeued", "failed_limit", "failed_timeout"):
             self.metrics.migrations.labels(outcome)  # exported as 0 from the start
 
@@ -96,6 +98,13 @@ class Engine:
             self.metrics.refused.labels("unavailable").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_UNAVAILABLE,
                                           f"no worker is ready ({self.not_ready_reason})"))
+            return
+        queued = len(self._migrating) + sum(load.waiting for w in self.workers for load in w.loads())
+        if queued >= self.config.max_num_queued_reqs:
+            self.metrics.refused.labels("overloaded").inc()
+            queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_OVERLOADED,
+                                          f"{queued} requests are already waiting (--max-num-queued-reqs "
+                                          f"{self.config.max_num_queued_reqs}); retry later"))
             return
         request, unsupported = request_from_pb(add, client_id)
         request.received_time = time.monotonic()

@@ -42,7 +42,7 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger  # noqa: E402
 
 from ttserve.gateway import convert  # noqa: E402
 from ttserve.gateway.drain import Drain  # noqa: E402
-from ttserve.gateway.errors import (ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
+from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
                                     RequestRefused, record_refusal)
 from ttserve.gateway.metrics import CONNECTED, SESSIONS_LOST  # noqa: E402
 from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS as KEEPALIVE_CHANNEL, ProtocolMismatch, check_peer_version  # noqa: E402
@@ -281,6 +281,9 @@ class GrpcEngineCoreClient(EngineCoreClient):
         if admission.verdict == Verdict.VERDICT_INVALID_ARGUMENT:
             raise self._refused(request_id, RequestRefused(
                 admission.message or "the control plane refused the request as invalid"))
+        if admission.verdict == Verdict.VERDICT_OVERLOADED:
+            raise self._refused(request_id, ControlPlaneOverloaded(
+                admission.message or "the control plane has too many requests waiting; retry later"))
         raise self._refused(request_id, ControlPlaneUnavailable(
             admission.message or f"the control plane at {self.target} cannot take requests now"))
 

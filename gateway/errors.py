@@ -42,6 +42,10 @@ class ControlPlaneUnavailable(GracefulHTTPError):
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
 
 
+class ControlPlaneOverloaded(ControlPlaneUnavailable):
+    """Too many requests wait at the control plane (--max-num-queued-reqs): HTTP 503, retry later."""
+
+
 class GatewayShuttingDown(GracefulHTTPError):
     """This gateway is draining (SIGTERM arrived) and admits no new request: HTTP 503."""
 
@@ -53,6 +57,10 @@ class GatewayShuttingDown(GracefulHTTPError):
 
 
 REFUSALS = (RequestRefused, ControlPlaneUnavailable, GatewayShuttingDown)
+
+# Seconds a client is told to wait before retrying a 503 (Retry-After): an overload or a worker
+# coming back lasts seconds, not minutes.
+RETRY_AFTER_S = 1
 
 
 def refusal_status(error: Exception) -> str:
@@ -108,7 +116,8 @@ ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
 
 class RefusalStatusMiddleware:
-    """Turns a refusal recorded before a streamed response's first chunk into an HTTP error."""
+    """Turns a refusal recorded before a streamed response's first chunk into an HTTP error, and
+    tells a client refused with 503 when to retry (Retry-After)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -136,10 +145,12 @@ class RefusalStatusMiddleware:
                     replaced = True
                     status, body = _error_response(refusals[0])
                     await send({"type": "http.response.start", "status": status,
-                                "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(body)).encode())]})
+                                "headers": _with_retry_after(status, [(b"content-type", b"application/json"),
+                                                                      (b"content-length", str(len(body)).encode())])})
                     await send({"type": "http.response.body", "body": body})
                     return
+                if refusals:
+                    held = {**held, "headers": _with_retry_after(held["status"], list(held.get("headers", ())))}
                 await send(held)
                 await send(message)
             else:
@@ -149,6 +160,12 @@ class RefusalStatusMiddleware:
             await self.app(scope, receive, send_checked)
         finally:
             _refusals.reset(token)
+
+
+def _with_retry_after(status: int, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    if status == HTTPStatus.SERVICE_UNAVAILABLE:
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+    return headers
 
 
 def _is_event_stream(start: dict[str, Any]) -> bool:
