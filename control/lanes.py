@@ -91,8 +91,9 @@ class LaneGroup:
         return GroupPlan(StepKind.DECODE, plans)
 
     def update(self, plan: GroupPlan, sampled: dict[str, int],
-               logprobs: dict[str, TokenLogprobs] | None = None) -> list[Request]:
+               logprobs: dict[str, TokenLogprobs] | None = None,
+               refused: dict[str, str] | None = None) -> list[Request]:
         changed: list[Request] = []
         for lane, lane_plan in zip(self.lanes, plan.lanes):
-            changed += lane.update(lane_plan, sampled, logprobs)
+            changed += lane.update(lane_plan, sampled, logprobs, refused)
         return changed

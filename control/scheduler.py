@@ -356,11 +356,19 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[str, int],
-               logprobs: dict[str, TokenLogprobs] | None = None) -> list[Request]:
+               logprobs: dict[str, TokenLogprobs] | None = None,
+               refused: dict[str, str] | None = None) -> list[Request]:
         """Apply a step's sampled tokens (and the logprobs of requests that asked for them);
-        returns the requests with new tokens or a finish."""
+        returns the requests with new tokens or a finish. A request the worker `refused` (its
+        items were out of range) ends with the worker's reason; the rest of the step applies."""
         logprobs = logprobs or {}
         changed: list[Request] = []
+        for work in (*plan.prefill, *plan.decode) if refused else ():
+            request = work.request
+            if request.request_id in refused and request.status is RequestStatus.RUNNING:
+                self.finish(request, FinishReason.ERROR, f"the worker refused the request: "
+                            f"{refused[request.request_id]}")
+                changed.append(request)
         for work in plan.prefill:
             request = work.request
             if request.status is not RequestStatus.RUNNING:

@@ -172,6 +172,7 @@ class StepOutcome:
     traced: bool
     sampled_on_device: bool
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
+    refused: dict[str, str] = field(default_factory=dict)  # request id -> why the worker dropped it
 
 
 def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
@@ -180,4 +181,5 @@ def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
                 for s in result.tokens if s.logprob_token_ids}
     return StepOutcome(step_id=result.step_id, sampled={s.request_id: s.token_id for s in result.tokens},
                        total_s=t.total_s, traced=t.traced,
-                       sampled_on_device=t.sampled_on_device, logprobs=logprobs)
+                       sampled_on_device=t.sampled_on_device, logprobs=logprobs,
+                       refused={r.request_id: r.message for r in result.refused})

@@ -310,7 +310,8 @@ class WorkerGroup:
                     self.num_steps += 1
                     self.metrics.step(self.index, plan.kind, outcome.traced, outcome.sampled_on_device,
                                       outcome.total_s, time.monotonic() - sent)
-                    yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs))
+                    yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs,
+                                                                outcome.refused))
         except WorkerError as e:
             raise WorkerLost(str(e), self.release()) from e
         finally:

@@ -505,3 +505,15 @@ def test_while_a_running_prefill_waits_for_blocks_no_newcomer_takes_them():
     assert [(r.finish_reason, len(r.output_token_ids)) for r in requests] == [
         (FinishReason.LENGTH, 4), (FinishReason.LENGTH, 4), (FinishReason.LENGTH, 10)]
     assert s.num_preemptions == 0
+
+
+def test_a_request_the_worker_refused_ends_with_its_reason_and_the_rest_of_the_step_applies():
+    s = scheduler()
+    s.add(make("a", 5))
+    s.add(make("b", 5))
+    plan = s.schedule()
+    changed = s.update(plan, {"a": 7}, {}, refused={"b": "block id(s) 99 outside the lane's KV cache (0..63)"})
+    a, b = sorted(changed, key=lambda r: r.request_id)
+    assert a.output_token_ids == [7] and b.finish_reason is FinishReason.ERROR
+    assert b.error == "the worker refused the request: block id(s) 99 outside the lane's KV cache (0..63)"
+    assert s.pool.num_used == len(a.block_ids)  # b's blocks are back

@@ -26,7 +26,7 @@ from ttserve.worker.device_api import TtnnDevice
 from ttserve.worker.mesh import fabric_for, resolve_mesh
 from ttserve.worker.preflight import Serving, plan_worker
 from ttserve.worker.registry import ModelLoadError, build_registry
-from ttserve.worker.runner import DeviceOptions, ModelRunner, StepError
+from ttserve.worker.runner import DeviceOptions, ModelRunner
 from ttserve.worker.server import DeviceService
 from ttserve.worker.ttnn_backend import ChipProbe, TtnnBackend
 
@@ -249,11 +249,14 @@ def test_chunked_prefill_rows_hold_the_earlier_chunks(tmp_path, monkeypatch):
     assert [runner.model.kv[(3 + i // 32, i % 32)] for i in range(40)] == PROMPT
 
 
-def test_a_chunk_past_what_the_worker_holds_of_its_request_fails_the_step(tmp_path, monkeypatch):
-    runner, _ = fake_runner(checkpoint(tmp_path), monkeypatch)
-    with pytest.raises(StepError, match="a prefill chunk at position 32, but the worker holds 0 of its tokens"):
-        runner.execute(StepBatch(1, "prefill", new_requests=[greedy("b", 1)],
-                                 prefill=[PrefillChunk("b", [7] * 8, 32, [3, 9], True)]))
+def test_a_chunk_past_what_the_worker_holds_of_its_request_is_refused_alone(tmp_path, monkeypatch):
+    runner, ttnn = fake_runner(checkpoint(tmp_path), monkeypatch)
+    result = runner.execute(StepBatch(1, "prefill", new_requests=[greedy("b", 1), greedy("a", 0)], prefill=[
+        PrefillChunk("b", [7] * 8, 32, [3, 9], True), PrefillChunk("a", PROMPT, 0, [4, 5], True)]))
+    assert "starts at 32, but the worker holds 0 of the request's tokens" in result.refused["b"]
+    assert set(result.tokens) == {"a"}  # the rest of the step ran
+    [call] = ttnn.recorder.only("model.prefill_forward")
+    assert call["empty_slots"] == [0]
 
 
 def test_the_control_plane_sends_the_cached_prefix_with_a_hit_requests_first_chunk():

@@ -92,6 +92,7 @@ class StepResult:
     total_s: float = 0.0           # the batch's arrival to its result
     traced: bool = False
     sampled_on_device: bool = False
+    refused: dict[str, str] = field(default_factory=dict)  # request id -> why its items were dropped
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,6 +21,7 @@ from .batch import (DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingC
 from .device_api import Progress, TorchDevice
 from .options import async_decode_allowed, device_sampling, trace_flags
 from .sampling import SamplingBatch, gather_logprobs, sample
+from .step_check import Limits, check_batch
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,8 @@ class ModelRunner:
         # Persistent page table, one row per device row; rows of released requests go stale but
         # are never read: decode reads only rows with a position, prefill only its own rows.
         self._page_table = torch.zeros(config.num_lanes * config.max_num_seqs, width, dtype=torch.int32)
+        self._limits = Limits(config.num_lanes, config.max_num_seqs, layout.num_blocks_per_lane, self.block_size,
+                              config.max_model_len, width, self.vocab_size)
         self.config = config
 
     @property
@@ -299,16 +302,21 @@ class ModelRunner:
             raise StepError("step received before warmup")
         started = time.perf_counter()
         received = started if received is None else received
+        batch, refused = check_batch(batch, self._limits, {
+            rid: (s.row, len(s.block_ids), len(s.prefix)) for rid, s in self._requests.items()})
+        for request_id, problem in refused.items():
+            log.warning("step %d: refused request %s: %s", batch.step_id, request_id, problem)
+            self._requests.pop(request_id, None)
         for request_id in batch.released_ids:
             self._requests.pop(request_id, None)
         for new in batch.new_requests:
             self._add(new)
-        launched = Launched(StepResult(step_id=batch.step_id, kind=batch.kind, traced=self.options.traced(batch.kind)),
-                            started, received)
-        if batch.kind == "prefill":
+        launched = Launched(StepResult(step_id=batch.step_id, kind=batch.kind, traced=self.options.traced(batch.kind),
+                                       refused=refused), started, received)
+        if batch.kind == "prefill" and batch.prefill:
             result = launched.result
             result.tokens, result.logprobs, result.sampled_on_device = self._prefill(batch.prefill)
-        elif batch.kind == "decode":
+        elif batch.kind == "decode" and batch.decode:
             self._decode(batch.decode, launched, batch.async_readback and self.async_decode)
         return launched
 
@@ -388,9 +396,7 @@ class ModelRunner:
         prefix the control plane sends with a request's first chunk."""
         if chunk.cached_token_ids:
             state.prefix = list(chunk.cached_token_ids)
-        if len(state.prefix) != chunk.start_pos:
-            raise StepError(f"request {chunk.request_id}: a prefill chunk at position {chunk.start_pos}, but the "
-                            f"worker holds {len(state.prefix)} of its tokens (cached_token_ids missing?)")
+        assert len(state.prefix) == chunk.start_pos, "step_check refuses a chunk past what the worker holds"
         state.prefix += chunk.token_ids
         row = state.prefix
         if chunk.sample:

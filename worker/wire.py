@@ -52,6 +52,7 @@ def result_to_pb(r: StepResult) -> device_pb2.StepResult:
     return device_pb2.StepResult(
         step_id=r.step_id,
         tokens=[_sampled_pb(rid, t, r) for rid, t in r.tokens.items()],
+        refused=[device_pb2.RefusedRequest(request_id=rid, message=m) for rid, m in r.refused.items()],
         timings=device_pb2.StepTimings(model_s=r.model_s, total_s=r.total_s,
                                        traced=r.traced, sampled_on_device=r.sampled_on_device))
 

@@ -1,0 +1,124 @@
+"""Validation of every step item before it reaches the model: a bad item (a row outside its lane
+or held by another request, a block id outside the lane's KV cache, a position no block covers, a
+token id outside the vocabulary, a request twice in one step, a sampling value out of range) is
+refused with a message and dropped from the batch, failing only its request; the rest of the
+step runs. Nothing is clamped: a clamped block id writes another request's KV.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from .batch import DecodeItem, NewRequest, PrefillChunk, StepBatch
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    num_lanes: int
+    max_num_seqs: int            # rows per lane
+    num_blocks_per_lane: int
+    block_size: int
+    max_model_len: int
+    page_table_width: int        # blocks a request may hold
+    vocab_size: int
+
+
+def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, tuple[int, int, int]]
+                ) -> tuple[StepBatch, dict[str, str]]:
+    """The batch without its bad items, and why each refused request was refused.
+
+    `live`: request id -> (row, blocks held, prompt tokens held) of the requests the worker holds
+    state for.
+    """
+    refused: dict[str, str] = {}
+
+    def refuse(request_id: str, problem: str) -> None:
+        refused.setdefault(request_id, problem)
+
+    released = set(batch.released_ids)
+    rows = {row: rid for rid, (row, _, _) in live.items() if rid not in released}
+    blocks = {rid: held for rid, (_, held, _) in live.items() if rid not in released}
+    prefix = {rid: tokens for rid, (_, _, tokens) in live.items() if rid not in released}
+    for new in batch.new_requests:
+        problem = _new_request_problem(new, limits, rows)
+        if problem:
+            refuse(new.request_id, problem)
+            continue
+        rows[new.row] = new.request_id
+        blocks[new.request_id] = prefix[new.request_id] = 0
+    seen: set[str] = set()
+    for item in (*batch.prefill, *batch.decode):
+        rid = item.request_id
+        if rid in seen:
+            refuse(rid, "appears twice in one step")
+        seen.add(rid)
+        if rid not in blocks and rid not in refused:
+            refuse(rid, "has no device state on this worker (never added in this step stream, or released)")
+    for item in (*batch.prefill, *batch.decode):
+        if item.request_id in refused:
+            continue
+        problem = _item_problem(item, limits, blocks[item.request_id], prefix[item.request_id])
+        if problem:
+            refuse(item.request_id, problem)
+        else:
+            blocks[item.request_id] += len(item.new_block_ids)
+            if isinstance(item, PrefillChunk):
+                prefix[item.request_id] = item.start_pos + len(item.token_ids)
+    if not refused:
+        return batch, refused
+    return replace(batch,
+                   new_requests=[n for n in batch.new_requests if n.request_id not in refused],
+                   prefill=[c for c in batch.prefill if c.request_id not in refused],
+                   decode=[d for d in batch.decode if d.request_id not in refused]), refused
+
+
+def _new_request_problem(new: NewRequest, limits: Limits, rows: Mapping[int, str]) -> str | None:
+    if not 0 <= new.lane < limits.num_lanes:
+        return f"lane {new.lane} is outside this worker's {limits.num_lanes} lane(s)"
+    first = new.lane * limits.max_num_seqs
+    if not first <= new.row < first + limits.max_num_seqs:
+        return (f"row {new.row} is outside lane {new.lane} (rows {first}..{first + limits.max_num_seqs - 1})")
+    if rows.get(new.row, new.request_id) != new.request_id:
+        return f"row {new.row} is held by request {rows[new.row]}"
+    if not (math.isfinite(new.temperature) and new.temperature >= 0):
+        return f"temperature {new.temperature} must be a finite number >= 0"
+    if not (math.isfinite(new.top_p) and 0 < new.top_p <= 1):
+        return f"top_p {new.top_p} must be in (0, 1]"
+    if new.top_k < -1:
+        return f"top_k {new.top_k} must be -1 or 0 (off) or a positive count"
+    return None
+
+
+def _item_problem(item: PrefillChunk | DecodeItem, limits: Limits, held: int, prompt_held: int) -> str | None:
+    bad = [b for b in item.new_block_ids if not 0 <= b < limits.num_blocks_per_lane]
+    if bad:
+        return (f"block id(s) {', '.join(map(str, bad[:4]))} outside the lane's KV cache "
+                f"(0..{limits.num_blocks_per_lane - 1})")
+    if held + len(item.new_block_ids) > limits.page_table_width:
+        return (f"would hold {held + len(item.new_block_ids)} blocks, more than the "
+                f"{limits.page_table_width} of a max_model_len sequence")
+    covered = (held + len(item.new_block_ids)) * limits.block_size
+    if isinstance(item, PrefillChunk):
+        end = item.start_pos + len(item.token_ids)
+        tokens = [*item.token_ids, *item.cached_token_ids]
+        if not item.token_ids:
+            return f"a prefill chunk at {item.start_pos} has no tokens"
+        if end > limits.max_model_len:
+            return f"a prefill chunk ends at {end}, past max_model_len {limits.max_model_len}"
+        if end > covered:
+            return f"a prefill chunk ends at {end}, but its blocks cover {covered} tokens"
+        known = len(item.cached_token_ids) if item.cached_token_ids else prompt_held
+        if known != item.start_pos:
+            return (f"a prefill chunk starts at {item.start_pos}, but the worker holds {known} of the "
+                    "request's tokens (a prefix-cache hit sends them as cached_token_ids)")
+    else:
+        tokens = [] if item.use_previous_token else [item.token_id]
+        if not 0 <= item.position < limits.max_model_len:
+            return f"decode position {item.position} is outside 0..{limits.max_model_len - 1}"
+        if item.position >= covered:
+            return f"decode position {item.position}, but its blocks cover {covered} tokens"
+    bad_tokens = [t for t in tokens if not 0 <= t < limits.vocab_size]
+    if bad_tokens:
+        return f"token id(s) {', '.join(map(str, bad_tokens[:4]))} outside the vocabulary (0..{limits.vocab_size - 1})"
+    return None
