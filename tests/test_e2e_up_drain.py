@@ -76,3 +76,36 @@ def test_ctrl_c_drains_the_streams_in_flight_and_a_second_one_aborts_the_rest(tm
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_up_restarts_a_killed_worker_and_the_stream_in_flight_completes(tmp_path, smollm2):
+    """As an operator's SIGKILL (or a crash) would: the worker dies under a streaming request, up
+    restarts it, the control plane moves the request onto it, and the HTTP client sees a pause."""
+    ports = [free_port() for _ in range(5)]
+    url = f"http://127.0.0.1:{ports[0]}"
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
+                                 "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
+                                 "--control-metrics-port", str(ports[3]),
+                                 "--worker-metrics-port", str(ports[4]), "--model", str(smollm2),
+                                 *SIM_WORKER], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: http_ok(f"{url}/health"), 300, "ttserve up")
+        stream = start_stream(url, smollm2.name, SHORT_TOKENS)
+        worker = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "ttserve.worker"], capture_output=True,
+                                text=True).stdout.split()
+        assert len(worker) == 1, worker
+        os.kill(int(worker[0]), signal.SIGKILL)
+        reasons, tokens = finish(stream, timeout=120)
+        output = log_path.read_text()
+        assert (reasons, tokens) == (["length"], SHORT_TOKENS), output[-4000:]
+        assert "worker exited with code -9; restarting it in 1 s" in output and "worker restarted" in output
+        assert proc.poll() is None  # the stack stayed up
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -6,6 +6,11 @@ declares is refused. `--port` is the gateway's; the internal gRPC ports have the
 
 Ctrl-C (SIGINT), SIGTERM or SIGHUP stops the services in reverse order, each draining first; a
 second signal cuts short the drain of the service being stopped.
+
+A service that exits on its own is restarted, as systemd's Restart=on-failure would (a worker's
+requests wait and resume, see the control plane's --migration-limit), after 1, 2, 4, ... up to 30
+seconds, the wait reset once it has run for a minute. One that exits with status 2 refused its
+configuration, which a restart cannot fix: up stops the stack with that status.
 """
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ log = logging.getLogger("ttserve.up")
 
 # Start order; shutdown runs in reverse so no service outlives the one it depends on.
 SERVICES = ("worker", "control", "gateway")
+CONFIG_REFUSED = 2                     # every service's exit status for flags it refuses
+RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30)
+STABLE_S = 60.0                        # a service up this long starts its backoff over
 
 
 def _service_parser(name: str) -> argparse.ArgumentParser:
@@ -125,21 +133,42 @@ def up(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    def start(name: str) -> subprocess.Popen:
+        # A session of its own, out of the terminal's process group: Ctrl-C (or a hang-up)
+        # reaches up alone, which stops the services one at a time in reverse order, the
+        # gateway draining first. In the terminal's group each would get the signal at once,
+        # and up's SIGTERM would be the gateway's second signal, which aborts its streams.
+        # (start_new_session rather than 3.11's process_group=0: workers run Python 3.10.)
+        return subprocess.Popen([sys.executable, "-m", f"ttserve.{name}", *shares[name]], start_new_session=True)
+
+    restarts = {name: 0 for name in SERVICES}
+    started_at: dict[str, float] = {}
+    restart_at: dict[str, float] = {}
     try:
         for name in SERVICES:
-            # A session of their own, out of the terminal's process group: Ctrl-C (or a hang-up)
-            # reaches up alone, which stops the services one at a time in reverse order, the
-            # gateway draining first. In the terminal's group each would get the signal at once,
-            # and up's SIGTERM would be the gateway's second signal, which aborts its streams.
-            # (start_new_session rather than 3.11's process_group=0: workers run Python 3.10.)
-            procs[name] = subprocess.Popen([sys.executable, "-m", f"ttserve.{name}", *shares[name]],
-                                           start_new_session=True)
+            procs[name], started_at[name] = start(name), time.monotonic()
         deadline, announced = time.monotonic() + args.ready_timeout, False
         while not stop_requested:
+            now = time.monotonic()
             for name, proc in procs.items():
-                if proc.poll() is not None:
-                    log.error("%s exited with code %d; stopping the stack", name, proc.returncode)
-                    return proc.returncode or 1
+                if name in restart_at:
+                    if now >= restart_at[name]:
+                        del restart_at[name]
+                        procs[name], started_at[name] = start(name), now
+                        log.info("%s restarted (restart %d)", name, restarts[name])
+                    continue
+                code = proc.poll()
+                if code is None:
+                    continue
+                if code == CONFIG_REFUSED:
+                    log.error("%s refused its configuration (exit code %d); stopping the stack", name, code)
+                    return code
+                if now - started_at[name] >= STABLE_S:
+                    restarts[name] = 0
+                delay = RESTART_BACKOFF_S[min(restarts[name], len(RESTART_BACKOFF_S) - 1)]
+                restarts[name] += 1
+                restart_at[name] = now + delay
+                log.error("%s exited with code %d; restarting it in %d s", name, code, delay)
             if not announced:
                 if _serving(args.url):
                     log.info("ttserve is serving at %s/v1 (Ctrl-C stops it)", args.url)

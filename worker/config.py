@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         service = build_service(args)
     except ConfigRefused as e:
         log.error("%s", e)
-        return 1
+        return 2  # a configuration refused: restarting cannot help (systemd's RestartPreventExitStatus)
     return asyncio.run(_serve(service, args))
 
 
