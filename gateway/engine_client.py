@@ -41,6 +41,7 @@ from vllm.v1.engine.core_client import EngineCoreClient  # noqa: E402
 from vllm.v1.metrics.loggers import PrometheusStatLogger  # noqa: E402
 
 from ttserve.gateway import convert  # noqa: E402
+from ttserve.gateway import generation_errors  # noqa: E402
 from ttserve.gateway.drain import Drain  # noqa: E402
 from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
                                     RequestRefused, record_refusal)
@@ -234,6 +235,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
                 if output.finish_reason == FinishReason.ERROR:
                     log.warning("request %s failed in the control plane: %s", out.request_id,
                                 out.error or "no message")
+                    if out.error:
+                        generation_errors.record(out.request_id, out.error)
                 elif output.finish_reason == FinishReason.ABORT and out.error:
                     # The control plane ended it (e.g. it shut down); the client sees finish
                     # reason "abort" (the OpenAI API has no field for the message).

@@ -271,10 +271,11 @@ async def serve(args: argparse.Namespace) -> int:
         model, model_info = await discover(args)
         # No vLLM import may run on this thread before the preload ends (import lock order).
         await asyncio.to_thread(preload.join)
-        from ttserve.gateway import vllm_compat
+        from ttserve.gateway import generation_errors, vllm_compat
 
         vllm_compat.prepare()
         vllm_compat.inspect_models_in_process()
+        generation_errors.install()  # a failed request's reason reaches its HTTP client
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
         vllm_config = build_vllm_config(vllm_args, model_info)
         check_vllm_server_args(vllm_args)

@@ -111,3 +111,22 @@ def test_a_request_past_the_migration_bounds_fails_naming_the_cause(tmp_path, sm
     finally:
         client.close()
         stack.stop()
+
+
+def test_the_http_client_of_a_request_that_cannot_migrate_gets_the_cause(tmp_path, smollm2):
+    import openai
+
+    stack = start_stack(tmp_path, str(smollm2), worker_flags=WORKER_FLAGS, control_flags=("--migration-limit", "0"))
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+        chunks = iter(client.completions.create(model=smollm2.name, prompt="Once upon a time", max_tokens=2000,
+                                                stream=True, extra_body={"ignore_eos": True}, timeout=120))
+        assert next(chunks).choices
+        stack.services[0].stop(signal.SIGKILL)
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        assert "worker at" in str(e.value) and "--migration-limit 0" in str(e.value), e.value
+        assert "Internal server error" not in str(e.value)
+    finally:
+        stack.stop()
