@@ -50,8 +50,13 @@ def check_request(request: Request, unsupported: list[str], limits: Limits) -> N
     if bad:
         raise AdmissionError(f"prompt token id {bad[0]} is out of range: the vocabulary has "
                              f"{limits.vocab_size} tokens (ids 0..{limits.vocab_size - 1})")
-    if request.sampling.temperature < 0 or not 0 < request.sampling.top_p <= 1:
-        raise AdmissionError("temperature must be >= 0 and top_p in (0, 1]")
+    temperature, top_p, top_k = request.sampling.temperature, request.sampling.top_p, request.sampling.top_k
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise AdmissionError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not 0 < top_p <= 1:  # NaN fails it too
+        raise AdmissionError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < -1:
+        raise AdmissionError(f"top_k must be -1 or 0 (off) or a positive count, got {top_k}")
     check_sampling(request.sampling, limits.vocab_size)
     if unsupported:
         raise AdmissionError(f"{', '.join(unsupported)}: not supported by this ttserve release "
