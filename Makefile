@@ -52,6 +52,7 @@ bench: setup
 	$(PY) benchmarks/lanes.py
 	$(PY) benchmarks/metrics_cost.py
 	$(PY) benchmarks/sim_decode.py
+	cd benchmarks && ../$(PY) soak.py
 
 clean:
 	rm -rf $(VENV) .venv-ttnn build *.egg-info ttserve/v1/*_pb2*.py ttserve/v1/*_pb2*.pyi

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Iterator
 
-from ttserve.client import ControlClient
+from ttserve.control_client import ControlClient
 
 
 def free_port() -> int:
