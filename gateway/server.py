@@ -287,6 +287,18 @@ async def serve(args: argparse.Namespace) -> int:
 
 RESPONSES_FLUSH_S = 5
 
+# Routes of vLLM's app that no request can succeed on behind the control plane (each answered
+# every request with an error, found by the OpenAPI fuzzer, tests/test_e2e_gateway_fuzz.py):
+# elastic expert-parallel scaling is the engine's, the structured decision API needs a model
+# hook, generative scoring needs prompt logprobs. Not exposed, so a client gets 404 and the
+# schema does not advertise them.
+UNSERVED_ROUTES = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep", "/v1/systemone", "/generative_scoring"})
+
+
+def remove_unserved_routes(app) -> None:
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in UNSERVED_ROUTES]
+    app.openapi_schema = None  # rebuilt from the routes left
+
 
 def install_middleware(app) -> None:
     """The gateway's middleware outermost on vLLM's app, and vLLM's HTTP instrumentation out: it
@@ -336,6 +348,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         # Importing model_hosting_container_standards (SageMaker routes) sets the root logger to
         # ERROR; vLLM restores handler levels only, which silences every non-vLLM logger.
         logging.getLogger().setLevel(root_level)
+        remove_unserved_routes(app)
         install_middleware(app)
         metrics.install(app)
         readiness.install(app, readiness.ReadinessProbe(core_client, llm.drain))
