@@ -61,9 +61,9 @@ def ttserve_metrics() -> Callable[[Request, float], None]:
     metrics = ControlMetrics()
 
     def work(request: Request, now: float) -> None:
-        arrival = request.record_tokens(now)
-        if arrival is not None:
-            metrics.progressed(request, arrival)
+        new = request.record_tokens(now)
+        if new:
+            metrics.progressed(request, new)
 
     return work
 

@@ -268,9 +268,9 @@ class Engine:
         by_client: dict[int, list[engine_pb2.RequestOutput]] = {}
         mono = time.monotonic()
         for request in changed:
-            arrival = request.record_tokens(mono)
-            if arrival is not None:
-                self.metrics.progressed(request, arrival)
+            new = request.record_tokens(mono)
+            if new:
+                self.metrics.progressed(request, new)
             by_client.setdefault(request.client_id, []).append(output_to_pb(request))
             request.mark_sent()
             if request.is_finished:

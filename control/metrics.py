@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from .request import Request, TokenArrival
+from .request import Request
 from .step import StepKind
 
 if TYPE_CHECKING:
@@ -129,20 +129,21 @@ class ControlMetrics:
         if kind is not StepKind.EMPTY:
             self.sampling.labels(w, "device" if sampled_on_device else "host").inc()
 
-    def progressed(self, request: Request, arrival: TokenArrival) -> None:
-        """Count the tokens that reached `request` together (Request.record_tokens)."""
-        if arrival.first:
-            assert request.first_token_time is not None
+    def progressed(self, request: Request, new: int) -> None:
+        """Count the `new` tokens that reached `request` together (Request.record_tokens)."""
+        if request.previous_token_time is None:  # the first arrival: TTFT
             self.ttft.observe(request.first_token_time - request.received_time)
             if request.scheduled_time is not None:
                 self.queue_time.observe(request.scheduled_time - request.received_time)
                 self.prefill_time.observe(request.first_token_time - request.scheduled_time)
             self.prompt_tokens[request.worker] += request.num_prompt_tokens
-        after_first = arrival.num_tokens - arrival.first
-        if after_first > 0 and arrival.since_last is not None:
+            after_first = new - 1
+        else:
+            after_first = new
+        if after_first > 0 and request.previous_token_time is not None:
             # Tokens that arrive together (a pipelined pair) share the interval evenly.
-            self.itl.observe(arrival.since_last / after_first, after_first)
-        self.generation_tokens[request.worker] += arrival.num_tokens
+            self.itl.observe((request.last_token_time - request.previous_token_time) / after_first, after_first)
+        self.generation_tokens[request.worker] += new
 
     def finished(self, request: Request, now: float) -> None:
         assert request.finish_reason is not None

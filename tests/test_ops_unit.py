@@ -89,7 +89,7 @@ def test_request_timings_follow_the_tokens_as_they_arrive():
     m.progressed(r, r.record_tokens(11.0))
     r.output_token_ids += [8, 9]   # a pipelined pair arrives together
     m.progressed(r, r.record_tokens(12.0))
-    assert r.record_tokens(12.5) is None  # nothing new: nothing to count
+    assert r.record_tokens(12.5) == 0  # nothing new: nothing to count
     r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
     m.finished(r, 12.0)
     assert value(m, "ttserve_time_to_first_token_seconds_sum") == 1.0
