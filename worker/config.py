@@ -4,11 +4,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+
+from .dtype import DTYPE_CHOICES, resolve_dtype
 
 log = logging.getLogger("ttserve.worker")
 
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": "float32"}
+
+def cpu_threads() -> int:
+    """One intra-op thread per core this process may run on: torch's default counts every core
+    of the host, and a worker pinned (taskset, cgroup cpuset) to fewer would oversubscribe them."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
 
 
 class StartupError(RuntimeError):
@@ -24,16 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=("auto", "torch", "ttnn", "sim"),
                    help="auto: ttnn when it imports and chips are present, else torch")
     g.add_argument("--device", default="cpu", help="torch device of the torch backend (cpu, cuda)")
-    g.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
-                   help="weights and KV dtype of the torch backend (auto = float32)")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights, activations and KV dtype of the torch backend (auto: bfloat16 on "
+                        "a CPU with native bf16 or a bf16 GPU, float16 on other GPUs, else float32)")
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
                    help="KV cache budget over all lanes, bytes")
     g.add_argument("--additional-config", default=None,
                    help='device options, e.g. \'{"tt": {"trace_mode": "all"}}\'')
     g.add_argument("--num-threads", type=int, default=0, metavar="N",
-                   help="torch CPU threads for the model (0: torch's default, one per core); "
-                        "give each of several workers on one host its share of the cores")
+                   help="torch CPU threads for the model (0: one per core this process may run "
+                        "on, os.sched_getaffinity); give each of several workers on one host its "
+                        "share of the cores")
     g.add_argument("--metrics-port", type=int, default=9402,
                    help="HTTP port of /metrics, /health and /ready on --host (0: none)")
     g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
@@ -70,8 +83,8 @@ def build_service(args: argparse.Namespace):
 
     if args.num_threads < 0:
         raise StartupError(f"--num-threads must be 0 (torch's default) or a positive count, got {args.num_threads}")
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    threads = args.num_threads or cpu_threads()
+    torch.set_num_threads(threads)
     try:
         options = parse_additional_config(args.additional_config, getattr(args, "additional_config_dotted", None))
         if args.block_size < 1 or args.kv_cache_memory_bytes < 1:
@@ -106,9 +119,11 @@ def build_service(args: argparse.Namespace):
             device_options = DeviceOptions(options, backend_traces=True, kv_tokens_per_lane=TTNN_KV_TOKENS)
     except (OptionError, ModelPrepareError, RegistryError, MeshError, StartupError, RuntimeError) as e:
         raise StartupError(str(e)) from e
-    log.info("backend %s (%s); model %s (%s) on %s; tt options %s", backend, why, model_path,
-             architecture, device_name, options or "none")
-    runner = ModelRunner(model_path, model_cls, architecture, device, getattr(torch, _DTYPES[args.dtype]),
+    dtype, dtype_why = resolve_dtype(args.dtype, device)
+    log.info("backend %s (%s); model %s (%s) on %s; dtype %s (%s); %d CPU threads; tt options %s",
+             backend, why, model_path, architecture, device_name, str(dtype).removeprefix("torch."),
+             dtype_why, threads, options or "none")
+    runner = ModelRunner(model_path, model_cls, architecture, device, dtype,
                          args.block_size, args.kv_cache_memory_bytes, device_options, device_api)
     return DeviceService(runner, backend, device_name)
 
