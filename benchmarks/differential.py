@@ -117,7 +117,7 @@ def start_ttserve(model: str, port: int, python: str) -> Server:
     argv = [python, "-m", "ttserve.cli", "up", "--port", str(port),
             "--control-port", str(free_port()), "--worker-port", str(free_port()),
             "--control-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port()),
-            "--model", model]
+            "--model", model, "--dtype", "float32"]  # the same dtype as vLLM's above
     return Server("ttserve", argv, port)
 
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from ttserve.worker.sampling import SamplingBatch, sample
 
@@ -148,19 +148,31 @@ class _Layer:
     down: Linear
 
 
-def _load_state_dict(model_path: Path) -> dict[str, torch.Tensor]:
-    index = model_path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_path / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{model_path} has no model.safetensors or "
-                              "model.safetensors.index.json; only safetensors checkpoints load")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(model_path / shard)))
-    return state
+class _Checkpoint(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors by name, read from the memory-mapped safetensors one at a time
+    when asked for: loading converts each to the serving dtype as it goes, so the checkpoint's
+    float32 copy of the whole model is never resident at once (SmolLM2: 540 MB)."""
+
+    def __init__(self, model_path: Path) -> None:
+        index = model_path / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (model_path / "model.safetensors").is_file():
+            shards = ["model.safetensors"]
+        else:
+            raise CheckpointError(f"{model_path} has no model.safetensors or "
+                                  "model.safetensors.index.json; only safetensors checkpoints load")
+        self._files = [safe_open(str(model_path / shard), framework="pt") for shard in shards]
+        self._where = {name: f for f in self._files for name in f.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -195,7 +207,7 @@ class TorchLlamaForCausalLM:
     # Checkpoint tensors an architecture cannot do without, beyond the Llama set.
     required_extras: tuple[str, ...] = ()
 
-    def __init__(self, shape: LlamaShape, state: dict[str, torch.Tensor], device: torch.device,
+    def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int) -> None:
         self.shape = shape
         self.device = device
@@ -224,7 +236,7 @@ class TorchLlamaForCausalLM:
             raise ValueError(f"max_batch_size={max_batch_size}, tt_data_parallel="
                              f"{tt_data_parallel} and max_seq_len={max_seq_len} must be positive")
         shape = LlamaShape.from_config(config)
-        state = _load_state_dict(Path(model_path))
+        state = _Checkpoint(Path(model_path))
         return cls(shape, state, torch.device(mesh_device), dtype, max_batch_size, max_seq_len,
                    tt_data_parallel)
 
