@@ -41,8 +41,11 @@ def _zeroed_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     matters: attention reads the unwritten tail of a row's last block (masked, but 0 x NaN is
     NaN), so it must hold finite values."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    # The tensor keeps the mapping alive (frombuffer holds a reference to the buffer).
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
+    # The storage keeps the mapping alive (frombuffer's storage holds a reference to the buffer).
+    flat = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape))
+    # A tensor of its own over that storage, not a view of `flat`: the layers' K/V views must
+    # have the 6-d storage as their _base (see _layer_storage).
+    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
 
 
 def write_then_gather(cache_k: torch.Tensor, cache_v: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
