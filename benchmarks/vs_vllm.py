@@ -118,12 +118,12 @@ def vllm_server(model: Path, name: str, dtype: str, eager: bool) -> Server:
                                            "PYTHONWARNINGS": "ignore::DeprecationWarning"})
 
 
-def ttserve_server(model: Path, dtype: str) -> Server:
+def ttserve_server(model: Path, dtype: str, extra: list[str]) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "ttserve.cli", "up", "--port", str(port),
             "--control-port", str(free_port()), "--worker-port", str(free_port()),
             "--control-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port()),
-            "--model", str(model), "--dtype", dtype, "--kv-cache-memory-bytes", str(KV_BYTES)]
+            "--model", str(model), "--dtype", dtype, "--kv-cache-memory-bytes", str(KV_BYTES), *extra]
     return Server("ttserve", argv, port)
 
 
@@ -136,7 +136,7 @@ def bench(server: Server, model: Path, name: str, concurrency: int, prompts: int
             "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
             "--random-output-len", str(output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
             "--num-prompts", str(prompts), "--seed", "0", "--percentile-metrics", "ttft,tpot",
-            "--metric-percentiles", "50", "--disable-tqdm", "--save-result",
+            "--metric-percentiles", "50", "--num-warmups", str(concurrency), "--disable-tqdm", "--save-result",
             "--result-dir", str(result_dir), "--result-filename", filename]
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode != 0:
@@ -208,6 +208,10 @@ def main() -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     parser.add_argument("--quick", action="store_true",
                         help="CI: concurrency 1 and 4, 4 prompts each, 16 output tokens, vLLM eager")
+    parser.add_argument("--only", choices=("vllm", "ttserve"), default=None,
+                        help="run one server (no ratios): for profiling one side")
+    parser.add_argument("--ttserve-arg", action="append", default=[], metavar="ARG",
+                        help="one more `ttserve up` argument (repeat for several)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to serve")
     args = parser.parse_args()
@@ -224,12 +228,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vs_vllm-") as tmp:
         for i in range(args.rounds):
             order = ["vllm", "ttserve"] if i % 2 == 0 else ["ttserve", "vllm"]
+            order = [args.only] if args.only else order
             for which in order:
                 server = (vllm_server(model, name, args.dtype, args.enforce_eager) if which == "vllm"
-                          else ttserve_server(model, args.dtype))
+                          else ttserve_server(model, args.dtype, args.ttserve_arg))
                 print(f"round {i + 1}: {which}", flush=True)
                 results[which].append(run_server(server, model, name, levels, prompts_per, output_len,
                                                  Path(tmp), args.timeout))
+    if args.only:
+        print(json.dumps(results[args.only], indent=2, default=str))
+        return 0
     summary = report(results, levels)
     summary["rounds"] = results
     summary["settings"] = {"input_len": INPUT_LEN, "output_len": output_len, "prompts": prompts_per,
