@@ -41,7 +41,7 @@ from ttserve.worker.sampling import SamplingBatch, sample
 
 from . import paged_kv
 from .decode_graph import DecodeGraph
-from .linear import Linear
+from .linear import Linear, SwiGLU
 from .paged_kv import KVCache
 
 
@@ -144,8 +144,7 @@ class _Layer:
     k_norm: torch.Tensor | None
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear                 # gate and up stacked
-    down: Linear
+    mlp: SwiGLU
 
 
 class _Checkpoint(Mapping[str, torch.Tensor]):
@@ -184,8 +183,9 @@ class _Step:
     tokens: torch.Tensor        # [B, S] token ids computed now
     positions: torch.Tensor     # [B, S] absolute positions (clamped into the RoPE table)
     last: torch.Tensor          # [B] index in S of each row's last real token
-    # sliding? -> [B, 1, group*S, T]: keys each query may attend, repeated for the `group` query
-    # heads that share a KV head (the GQA layout of _attention).
+    # sliding? -> [B, 1, group*S, T]: 0 where a query may attend a key, -inf elsewhere (in the
+    # model's dtype, built once per step: SDPA would convert a bool mask in every layer), repeated
+    # for the `group` query heads that share a KV head (the GQA layout of _attention).
     masks: dict[bool, torch.Tensor]
     lanes: list[tuple[int, torch.Tensor | None]]  # (lane, rows of the batch; None = all)
     block_table: torch.Tensor   # [B, T // block_size] block ids, 0 where the row needs none
@@ -275,9 +275,8 @@ class TorchLlamaForCausalLM:
                 k_norm=maybe(f"{p}.self_attn.k_norm.weight"),
                 o=Linear(take(f"{p}.self_attn.o_proj.weight"), maybe(f"{p}.self_attn.o_proj.bias")),
                 post_norm=take(f"{p}.post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([take(f"{p}.mlp.gate_proj.weight"),
-                                          take(f"{p}.mlp.up_proj.weight")])),
-                down=Linear(take(f"{p}.mlp.down_proj.weight")),
+                mlp=SwiGLU(take(f"{p}.mlp.gate_proj.weight"), take(f"{p}.mlp.up_proj.weight"),
+                           take(f"{p}.mlp.down_proj.weight")),
             ))
 
     # --- contract: cache ---------------------------------------------------------------------
@@ -443,7 +442,8 @@ class TorchLlamaForCausalLM:
         if self.shape.sliding_window is not None:
             masks[True] = causal & (keys[None, :] > at[:, None] - self.shape.sliding_window)
         group = self.shape.num_heads // self.shape.num_kv_heads
-        masks = {k: m[:, None, None, :].expand(rows, 1, group, m.shape[-1]) for k, m in masks.items()}
+        masks = {k: _additive(m[:, None, None, :].expand(rows, 1, group, m.shape[-1]), self.dtype)
+                 for k, m in masks.items()}
         blk = torch.where(live, table.gather(1, (at // block_size)[:, None]).squeeze(1), scratch)
         off = torch.where(live, at % block_size, 0)
         per_lane = self.max_batch_size
@@ -502,7 +502,7 @@ class TorchLlamaForCausalLM:
             tokens=chunk_tokens.to(dev),
             positions=positions.clamp(max=self.max_seq_len - 1).to(dev),
             last=(end - start - 1).clamp(min=0).to(dev),
-            masks={k: v.to(dev) for k, v in masks.items()},
+            masks={k: _additive(v.to(dev), self.dtype) for k, v in masks.items()},
             lanes=lanes,
             block_table=table.to(dev),
             writes=writes,
@@ -516,8 +516,7 @@ class TorchLlamaForCausalLM:
         sin = self._sin[step.positions].unsqueeze(2)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer, _rms_norm(x, layer.input_norm, eps), cos, sin, step, kv_cache, i)
-            gate, up = layer.gate_up(_rms_norm(x, layer.post_norm, eps)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.mlp(_rms_norm(x, layer.post_norm, eps))
         last = x[torch.arange(x.shape[0], device=x.device), step.last]
         return self.lm_head(_rms_norm(last, self.final_norm, eps)).float()
 
@@ -588,9 +587,15 @@ def _block_table(page_table: torch.Tensor, end: torch.Tensor, block_size: int,
     return torch.where(in_use, table, 0)
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # transformers' LlamaRMSNorm: statistics in float32, the weight applied in the input's dtype.
-    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    # Statistics in float32 (torch upcasts a 16-bit input inside rms_norm), as transformers'
+    # LlamaRMSNorm; the weight is applied before the one rounding to x's dtype, where
+    # transformers rounds, then multiplies: equal in float32, within bf16 rounding otherwise.
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 def _long(values: Sequence[int] | torch.Tensor, rows: int) -> torch.Tensor:
