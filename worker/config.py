@@ -168,6 +168,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("--metrics-port must be a port number (0: none) and --shutdown-timeout 0 or more "
                   "seconds; got %s and %s", args.metrics_port, args.shutdown_timeout)
         return 2
+    # Before torch loads libgomp: OpenMP threads that finish a parallel region sleep instead of
+    # spinning. The worker shares its cores with the control plane, the gateway and clients;
+    # spinning threads and a peer preempted mid-barrier made a SmolLM2 decode step ~8x slower
+    # beside one busy core (421 ms against 55 ms passive, 2 threads; 1 thread: 52 ms). With a
+    # lighter background load passive was faster too (39-42 ms against 54-57 ms median).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         service = build_service(args)
     except StartupError as e:
