@@ -60,7 +60,9 @@ class Server:
         self.log_path = Path(tempfile.mkstemp(prefix=f"vs_vllm-{self.name}-", suffix=".log")[1])
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log,
+            # VLLM_CPU_KVCACHE_SPACE=0 (a gateway's setting: no KV) would starve vLLM's server.
+            env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+            self.proc = subprocess.Popen(self.argv, env={**env, **self.env}, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         body = json.dumps({"model": model_name, "prompt": "Hello", "max_tokens": 1}).encode()
         while time.monotonic() - started < timeout:
