@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ttserve-setup
 
-.PHONY: setup serve test unit e2e bench stubs clean
+.PHONY: setup serve test unit e2e bench bench-quick stubs clean
 
 setup: $(STAMP)
 
@@ -52,7 +52,12 @@ bench: setup
 	$(PY) benchmarks/lanes.py
 	$(PY) benchmarks/metrics_cost.py
 	$(PY) benchmarks/sim_decode.py
-	cd benchmarks && ../$(PY) soak.py
+	$(PY) benchmarks/soak.py
+	$(PY) benchmarks/vs_vllm.py
+
+# Every benchmark's short mode (what tests/test_benchmarks.py runs).
+bench-quick: setup
+	$(PY) -m pytest -q tests/test_benchmarks.py
 
 clean:
 	rm -rf $(VENV) .venv-ttnn build *.egg-info ttserve/v1/*_pb2*.py ttserve/v1/*_pb2*.pyi

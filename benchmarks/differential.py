@@ -117,7 +117,7 @@ def start_ttserve(model: str, port: int, python: str) -> Server:
     argv = [python, "-m", "ttserve.cli", "up", "--port", str(port),
             "--control-port", str(free_port()), "--worker-port", str(free_port()),
             "--control-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port()),
-            "--model", model]
+            "--model", model, "--dtype", "float32"]  # the same dtype as vLLM's above
     return Server("ttserve", argv, port)
 
 
@@ -385,7 +385,10 @@ def main() -> int:
                          "outputs then differ in whitespace from the first token")
     ap.add_argument("--only", default=None, help="comma-separated request names")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
+    ap.add_argument("--quick", action="store_true", help="CI: two plain requests (one completion, one chat)")
     args = ap.parse_args()
+    if args.quick and not args.only:
+        args.only = "cmp-france,chat-france"
 
     from openai import OpenAI
     model = args.model or default_model()
@@ -439,8 +442,9 @@ def main() -> int:
             c = cats.setdefault(rec["category"], {"agree": 0, "total": 0})
             c["total"] += 1
             c["agree"] += int(rec["agree"])
-        report["summary"] = {**cats, "all": {"agree": sum(c["agree"] for c in cats.values()),
-                                             "total": sum(c["total"] for c in cats.values())}}
+        agree, total = sum(c["agree"] for c in cats.values()), sum(c["total"] for c in cats.values())
+        report["summary"] = {**cats, "all": {"agree": agree, "total": total,
+                                             "agree_ratio": round(agree / total, 3) if total else None}}
         report["disagreements"] = [r for r in results if not r["agree"]]
         report["agreements"] = [{k: r.get(k) for k in ("name", "category", "compared", "tokens",
                                                        "logprobs")}

@@ -7,7 +7,7 @@ device steps per worker, and the ratio of tokens/s to the 1-lane run measured in
 On a CPU the workers share the cores, so this shows the system's overheads and step counts,
 not device scaling; `--num-threads` shows what splitting the cores between workers recovers.
 
-    python benchmarks/lanes.py [--model smollm2] [--max-tokens 64]
+    python benchmarks/lanes.py [--model smollm2] [--max-tokens 64] [--quick]
 """
 from __future__ import annotations
 
@@ -48,7 +48,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="CI: 8 output tokens per request")
     args = parser.parse_args()
+    if args.quick:
+        args.max_tokens = 8
     report = {name: _measure(args.model, t["workers"], t["control"], args.max_tokens, t.get("worker", []))
               for name, t in TOPOLOGIES.items()}
     base = report["1 lane x 16"]["output_tokens_per_s"]

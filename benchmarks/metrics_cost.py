@@ -9,7 +9,7 @@ Every step, each running request gains one token, and the engine both publishes 
   - naive:    the same observations through prometheus_client's Histogram and labelled Counter.
 Reports microseconds per step and the ratios ttserve / baseline and naive / baseline.
 
-    python benchmarks/metrics_cost.py [--running 256] [--steps 300] [--rounds 5]
+    python benchmarks/metrics_cost.py [--running 256] [--steps 300] [--rounds 5] [--quick]
 """
 from __future__ import annotations
 
@@ -88,7 +88,10 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="CI: 32 running, 20 steps, 1 round")
     args = parser.parse_args()
+    if args.quick:
+        args.running, args.steps, args.rounds = 32, 20, 1
     rounds = {"baseline": [], "ttserve": [], "naive": []}
     for _ in range(args.rounds):
         rounds["baseline"].append(per_step(args.running, args.steps, publish))

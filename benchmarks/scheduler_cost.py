@@ -7,7 +7,7 @@ sampled tokens (`update` / `update_from_output`), with no model. Scenarios:
 Reports the median of per-round medians in microseconds and the ratio ttserve / vLLM (the goal
 is at most 0.5). vLLM is driven as recorded in shared/notes/vllm-cpu.md.
 
-    python benchmarks/scheduler_cost.py [--steps 300] [--rounds 5]
+    python benchmarks/scheduler_cost.py [--steps 300] [--rounds 5] [--quick]
 """
 from __future__ import annotations
 
@@ -42,16 +42,22 @@ def ttserve_steps(running: int, waiting: int, steps: int, wire: bool = False) ->
         lane.add(Request(str(i), [5] * PROMPT, SamplingParams(max_tokens=100_000, ignore_eos=True)))
     while any(r.is_prefilling for r in lane.running) or len(lane.running) < running:  # admit everyone
         plan = s.schedule()
-        s.update(plan, {w.request.request_id: 7 for w in plan.prefill if w.sample})
+        s.update(plan, _sampled(plan))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         plan = s.schedule()
         if wire:
             step_batch_to_pb(1, plan.kind, plan.lanes, running).SerializeToString()
-        s.update(plan, {w.request.request_id: 7 for w in plan.decode})
+        s.update(plan, _sampled(plan))
         times.append(time.perf_counter() - start)
     return times
+
+
+def _sampled(plan) -> dict[str, int]:
+    """A token for every request the step samples: each decode row and each prefill's last
+    chunk. (The admission loop's steps mix decodes in once the first prompts are prefilled.)"""
+    return {w.request.request_id: 7 for w in (*plan.decode, *(w for w in plan.prefill if w.sample))}
 
 
 def vllm_steps(running: int, waiting: int, steps: int) -> list[float]:
@@ -115,7 +121,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="CI: 20 steps, 1 round")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds = 20, 1
     report = {}
     for name, running, waiting in (("32 running + 1000 waiting", 32, 1000), ("256 running", 256, 0)):
         ours = median_of_medians(ttserve_steps, args.rounds, running, waiting, args.steps)

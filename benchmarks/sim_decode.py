@@ -6,7 +6,7 @@ control plane with 4 lanes x 8 requests. With every row busy decoding, the devic
 achieved steps/s below that. Reported: achieved / limit with host sampling, and with device
 sampling without and with async decode overlap (goal: >= 0.98 with overlap).
 
-    python benchmarks/sim_decode.py [--seconds 10]
+    python benchmarks/sim_decode.py [--seconds 10] [--quick]
 """
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--quick", action="store_true", help="CI: 1 second per mode")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds = 1.0
     device = '{"tt": {"sample_on_device_mode": "all"}}'
     report = {
         "host sampling (no overlap possible)": measure(args.model, args.seconds, '{"tt": {}}'),

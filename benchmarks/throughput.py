@@ -6,7 +6,7 @@ tokens/s). The baseline is Hugging Face transformers' greedy `generate` on the s
 this process, so the ratios hold across machines:
   ttserve single / transformers single, and ttserve concurrent / ttserve single.
 
-    python benchmarks/throughput.py [--concurrency 8] [--max-tokens 128] [--model PATH]
+    python benchmarks/throughput.py [--concurrency 8] [--max-tokens 128] [--model PATH] [--quick]
 """
 from __future__ import annotations
 
@@ -86,7 +86,10 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="CI: 2 concurrent requests of 8 tokens")
     args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.max_tokens = 2, 8
     model_path = _model_path(args.model)
     port = _free_port()
     up = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(port),

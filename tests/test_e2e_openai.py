@@ -30,6 +30,9 @@ def stack(tmp_path_factory, smollm2) -> Stack:
     # A small prefill budget chunks the chat-template prompts, so the oracle tests cover chunking.
     s = start_stack(tmp_path_factory.mktemp("stack"), str(smollm2),
                     control_flags=("--max-num-seqs", "8", "--max-num-batched-tokens", "16"),
+                    # The oracle is transformers in float32: the worker must compute in it too
+                    # (bf16, the CPU default, is checked in tests/test_reference_model.py).
+                    worker_flags=("--dtype", "float32"),
                     # vLLM's frontend wants a tool parser for named or "required" tool choice.
                     # Parsers with a structural-tag model (hermes, ...) emit xgrammar-format
                     # structural tags, which the guidance backend refuses; pythonic has none, so

@@ -23,7 +23,8 @@ def stack(tmp_path_factory, smollm2) -> Stack:
     s = start_stack(tmp_path_factory.mktemp("sched"), str(smollm2),
                     control_flags=("--max-num-seqs", "4", "--enable-prefix-caching",
                                    "--max-num-batched-tokens", "32"),
-                    worker_flags=("--block-size", str(BLOCK),
+                    # float32: the oracle is transformers in float32, and BYTES_PER_BLOCK is.
+                    worker_flags=("--dtype", "float32", "--block-size", str(BLOCK),
                                   "--kv-cache-memory-bytes", str(NUM_BLOCKS * BYTES_PER_BLOCK)))
     yield s
     s.stop()

@@ -178,3 +178,33 @@ def test_a_grammar_bitmask_sends_its_batch_to_the_host_and_masks_the_token(smoll
     assert not decode.sampled_on_device and decode.tokens["greedy"] == allowed
     items = [DecodeItem(rid, decode.tokens[rid], len(PROMPTS[rid]) + 1, []) for rid in PROMPTS]
     assert r.execute(StepBatch(3, "decode", decode=items)).sampled_on_device  # no mask: back on the device
+
+
+def _rows_run(smollm2, rows: dict[str, int]) -> tuple[dict, list]:
+    """`generate`'s two requests placed in the given device rows, with logprobs on the seeded one."""
+    r = runner(smollm2)[0]
+    news = [NewRequest("greedy", 0, rows["greedy"], 0.0, 1.0, 0, None),
+            NewRequest("seeded", 0, rows["seeded"], 0.8, 0.9, 50, 1234, host=HostSampling(logprobs=2))]
+    blocks = {"greedy": [0], "seeded": [1]}
+    result = r.execute(StepBatch(1, "prefill", new_requests=news,
+                                 prefill=[PrefillChunk(rid, ids, 0, blocks[rid], True) for rid, ids in PROMPTS.items()]))
+    out = {rid: [t] for rid, t in result.tokens.items()}
+    logprobs = []
+    for step in range(6):
+        items = [DecodeItem(rid, out[rid][-1], len(PROMPTS[rid]) + step, []) for rid in PROMPTS]
+        result = r.execute(StepBatch(2 + step, "decode", decode=items))
+        logprobs.append(result.logprobs)
+        for rid, t in result.tokens.items():
+            out[rid].append(t)
+    return out, logprobs
+
+
+def test_host_sampling_samples_the_live_rows_wherever_they_sit_and_keys_logprobs_by_request(smollm2):
+    """Only live rows are sampled on the host (the others' logits are garbage by contract): a
+    request's tokens and logprobs do not depend on which row it occupies or on empty rows."""
+    first, lp_first = _rows_run(smollm2, {"greedy": 0, "seeded": 1})
+    last, lp_last = _rows_run(smollm2, {"greedy": 3, "seeded": 2})
+    assert first == last
+    for a, b in zip(lp_first, lp_last):
+        assert set(a) == set(b) == {"seeded"}
+        assert a["seeded"].token_ids == b["seeded"].token_ids and a["seeded"].rank == b["seeded"].rank

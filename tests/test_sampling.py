@@ -243,3 +243,15 @@ def test_seeded_rows_reproduce_with_host_rules():
 
     first = run()
     assert first == run() and len(set(first)) > 3  # penalised repeats spread the draws
+
+
+def test_bitmasks_of_a_batch_unpack_as_each_alone_padding_short_masks_with_disallowed():
+    from ttserve.worker.sampling import bitmask_allowed, bitmasks_allowed
+
+    g = torch.Generator().manual_seed(3)
+    masks = [bytes(torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).tolist()) for n in (8, 4, 8)]
+    for vocab in (40, 64, 70):
+        together = bitmasks_allowed(masks, vocab)
+        assert together.shape == (3, vocab)
+        for row, mask in zip(together, masks):
+            assert torch.equal(row, bitmask_allowed(mask, vocab))

@@ -4,11 +4,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+
+from .dtype import DTYPE_CHOICES, resolve_dtype
 
 log = logging.getLogger("ttserve.worker")
 
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": "float32"}
+
+def cpu_threads() -> int:
+    """One intra-op thread per core this process may run on: torch's default counts every core
+    of the host, and a worker pinned (taskset, cgroup cpuset) to fewer would oversubscribe them."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
 
 
 class ConfigRefused(RuntimeError):
@@ -24,16 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=("auto", "torch", "ttnn", "sim"),
                    help="auto: ttnn when it imports and chips are present, else torch")
     g.add_argument("--device", default="cpu", help="torch device of the torch backend (cpu, cuda)")
-    g.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
-                   help="weights and KV dtype of the torch backend (auto = float32)")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights, activations and KV dtype of the torch backend (auto: bfloat16 on "
+                        "a CPU with native bf16 or a bf16 GPU, float16 on other GPUs, else float32)")
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
                    help="KV cache budget over all lanes, bytes")
     g.add_argument("--additional-config", default=None,
                    help='device options, e.g. \'{"tt": {"trace_mode": "all"}}\'')
     g.add_argument("--num-threads", type=int, default=0, metavar="N",
-                   help="torch CPU threads for the model (0: torch's default, one per core); "
-                        "give each of several workers on one host its share of the cores")
+                   help="torch CPU threads for the model (0: one per core this process may run "
+                        "on, os.sched_getaffinity); give each of several workers on one host its "
+                        "share of the cores")
     g.add_argument("--metrics-port", type=int, default=9402,
                    help="HTTP port of /metrics, /health and /ready on --host (0: none)")
     g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
@@ -60,8 +73,8 @@ def build_service(args: argparse.Namespace):
         for problem in plan.fatal[:-1]:
             log.error("%s", problem)
         raise ConfigRefused(plan.fatal[-1])
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    threads = args.num_threads or cpu_threads()
+    torch.set_num_threads(threads)
     options, model_cls, device = plan.options, plan.model_cls, torch.device(args.device)
     device_api = None
     # torch traces decode as a CUDA graph on CUDA (unless tt.trace_mode is "none"); on a CPU
@@ -82,9 +95,11 @@ def build_service(args: argparse.Namespace):
         device_api = TtnnDevice(TtnnBackend(plan.mesh, options, cluster=plan.chips.cluster), plan.entry.variant)
         device_name = f"mesh {plan.mesh.name} {plan.mesh.shape}"
         device_options = DeviceOptions(options, backend_traces=True)
-    log.info("backend %s (%s); model %s (%s) on %s; tt options %s", plan.backend, plan.backend_reason,
-             plan.model_path, plan.architecture, device_name, options or "none")
-    runner = ModelRunner(plan.model_path, model_cls, plan.architecture, device, getattr(torch, _DTYPES[args.dtype]),
+    dtype, dtype_why = resolve_dtype(args.dtype, device)
+    log.info("backend %s (%s); model %s (%s) on %s; dtype %s (%s); %d CPU threads; tt options %s", plan.backend,
+             plan.backend_reason, plan.model_path, plan.architecture, device_name, str(dtype).removeprefix("torch."),
+             dtype_why, threads, options or "none")
+    runner = ModelRunner(plan.model_path, model_cls, plan.architecture, device, dtype,
                          args.block_size, args.kv_cache_memory_bytes, device_options, device_api)
     return DeviceService(runner, plan.backend, device_name)
 
@@ -104,6 +119,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before torch loads libgomp: OpenMP threads that finish a parallel region sleep instead of
+    # spinning. The worker shares its cores with the control plane, the gateway and clients;
+    # spinning threads and a peer preempted mid-barrier made a SmolLM2 decode step ~8x slower
+    # beside one busy core (421 ms against 55 ms passive, 2 threads; 1 thread: 52 ms). With a
+    # lighter background load passive was faster too (39-42 ms against 54-57 ms median).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         service = build_service(args)
     except ConfigRefused as e:

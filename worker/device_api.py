@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .batch import ServingConfig
+from .host_heap import release_free_heap
 from .sampling import SamplingBatch
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,11 @@ class TorchDevice:
         return None
 
     def initialize(self, model_cls: type, model_path: Path, hf_config: dict, config: ServingConfig) -> Any:
-        return model_cls.initialize_vllm_model(
+        model = model_cls.initialize_vllm_model(
             hf_config, self.device, config.max_num_seqs, config.max_model_len,
             tt_data_parallel=config.num_lanes, model_path=str(model_path), dtype=self.dtype)
+        release_free_heap()  # the checkpoint's float32 copies, freed while loading
+        return model
 
     def allocate_kv_cache(self, model: Any, num_blocks: int, num_kv_heads: int, block_size: int,
                           head_dim: int, num_layers: int, num_lanes: int) -> Any:

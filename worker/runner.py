@@ -446,17 +446,24 @@ class ModelRunner:
             self._deferred.append(launched)
             return
         out = self.device_api.finish_decode(self.model, pending)
-        row_logprobs: list[TokenLogprobs | None] = []
+        row_logprobs: dict[int, TokenLogprobs] = {}
         if not on_device:
-            logits = out.reshape(rows, -1)
-            out = sample(logits, sampling)
-            row_logprobs = gather_logprobs(logits, out, sampling)
+            # Only the live rows are sampled: the others' logits are garbage by contract, and
+            # a step of a few requests should not pay for every row the batch could hold.
+            live = sorted(s.row for s in by_row if s)
+            logits = out.reshape(rows, -1)[live]
+            picked = sampling.select(live)
+            sampled = sample(logits, picked)
+            out = torch.zeros(rows, dtype=torch.long, device=sampled.device)
+            out[live] = sampled
+            row_logprobs = {row: lp for row, lp in zip(live, gather_logprobs(logits, sampled, picked))
+                            if lp is not None}
         self._previous_tokens = out.reshape(-1)
         result = launched.result
         result.tokens = self._collect(items, self._previous_tokens.tolist())
         if row_logprobs:
             result.logprobs = {rid: lp for rid in result.tokens
-                               if (lp := row_logprobs[self._requests[rid].row]) is not None}
+                               if (lp := row_logprobs.get(self._requests[rid].row)) is not None}
 
     def _collect(self, items: list[DecodeItem], sampled: list[int]) -> dict[str, int]:
         tokens = {}

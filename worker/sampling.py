@@ -136,33 +136,54 @@ def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     """The logits after the rules that apply before temperature, in vLLM's order: the grammar
     bitmask (vLLM applies it to the logits before the sampler), allowed token ids, bad words,
     min_tokens' blocked ids and logit_bias, then repetition, frequency and presence penalties.
-    Returns `logits` itself when no row has any."""
-    rows = [i for i, (blocked, host, mask) in enumerate(zip(batch.blocked_token_ids, batch.host, batch.bitmasks))
-            if blocked or mask or (host is not None and host.active)]
-    if not rows:
+    Returns `logits` itself when no row has any.
+
+    The rules that only forbid tokens (-inf) commute with each other and with what follows
+    (a bias or a penalty leaves -inf at -inf), so the two that whole batches carry, grammar
+    bitmasks and min_tokens' blocked ids, are applied to every row at once; only rows with
+    per-request host options (rare) are visited one by one."""
+    masked = [i for i, mask in enumerate(batch.bitmasks) if mask]
+    blocked = [(i, ids) for i, ids in enumerate(batch.blocked_token_ids) if ids]
+    hosted = [i for i, host in enumerate(batch.host) if host is not None and host.active]
+    if not (masked or blocked or hosted):
         return logits
     logits = logits.float().clone()
     vocab = logits.shape[-1]
-    for i in rows:
-        row, host, blocked = logits[i], batch.host[i], batch.blocked_token_ids[i]
-        if batch.bitmasks[i]:
-            row.masked_fill_(~bitmask_allowed(batch.bitmasks[i], vocab).to(row.device), float("-inf"))
-        if host is not None and host.allowed_token_ids:
+    if masked:
+        allowed = bitmasks_allowed([batch.bitmasks[i] for i in masked], vocab).to(logits.device)
+        rows = torch.tensor(masked, device=logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    if blocked:
+        rows = torch.tensor([i for i, ids in blocked for _ in ids], device=logits.device)
+        cols = torch.tensor([t for _, ids in blocked for t in ids], device=logits.device)
+        logits[rows, cols] = float("-inf")
+    for i in hosted:
+        row, host = logits[i], batch.host[i]
+        if host.allowed_token_ids:
             banned = torch.ones(vocab, dtype=torch.bool, device=row.device)
             banned[host.allowed_token_ids] = False
             row.masked_fill_(banned, float("-inf"))
-        if host is not None:
-            for word in host.bad_words:
-                if _ends_with(host.output_token_ids, word[:-1]):
-                    row[word[-1]] = float("-inf")
-        if blocked:
-            row[blocked] = float("-inf")
-        if host is not None and host.logit_bias:
+        for word in host.bad_words:
+            if _ends_with(host.output_token_ids, word[:-1]):
+                row[word[-1]] = float("-inf")
+        if host.logit_bias:
             ids = torch.tensor(list(host.logit_bias), dtype=torch.long, device=row.device)
             row[ids] += torch.tensor(list(host.logit_bias.values()), dtype=row.dtype, device=row.device)
-        if host is not None and host.has_penalties:
+        if host.has_penalties:
             _apply_penalties(row, host)
     return logits
+
+
+def bitmasks_allowed(bitmasks: list[bytes], vocab: int) -> torch.Tensor:
+    """[len(bitmasks), vocab] bool, unpacked in one pass (see bitmask_allowed); masks of
+    different lengths are padded with zero bytes (disallowed)."""
+    width = max(len(m) for m in bitmasks)
+    packed = bytearray(b"".join(m.ljust(width, b"\0") for m in bitmasks))
+    bits = torch.frombuffer(packed, dtype=torch.uint8).view(len(bitmasks), width)
+    allowed = ((bits.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(1).bool()
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    return torch.cat([allowed, torch.zeros(len(bitmasks), vocab - allowed.shape[1], dtype=torch.bool)], dim=1)
 
 
 def bitmask_allowed(bitmask: bytes, vocab: int) -> torch.Tensor:

@@ -28,20 +28,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from ttserve.worker.sampling import SamplingBatch, sample
 
+from . import paged_kv
 from .decode_graph import DecodeGraph
-
-KVCache = list[list[list[torch.Tensor]]]  # [lane][layer] -> [K, V]
+from .linear import Linear, SwiGLU
+from .paged_kv import KVCache
 
 
 class CheckpointError(ValueError):
@@ -138,30 +139,39 @@ def _rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    wqkv: torch.Tensor              # q, k, v projections stacked: one matmul per layer
-    bqkv: torch.Tensor | None
+    qkv: Linear                     # q, k, v projections stacked (and their biases): one matmul
     q_norm: torch.Tensor | None     # Qwen3: RMSNorm over head_dim, before RoPE
     k_norm: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    w_gate_up: torch.Tensor         # gate and up stacked
-    w_down: torch.Tensor
+    mlp: SwiGLU
 
 
-def _load_state_dict(model_path: Path) -> dict[str, torch.Tensor]:
-    index = model_path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_path / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{model_path} has no model.safetensors or "
-                              "model.safetensors.index.json; only safetensors checkpoints load")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(model_path / shard)))
-    return state
+class _Checkpoint(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors by name, read from the memory-mapped safetensors one at a time
+    when asked for: loading converts each to the serving dtype as it goes, so the checkpoint's
+    float32 copy of the whole model is never resident at once (SmolLM2: 540 MB)."""
+
+    def __init__(self, model_path: Path) -> None:
+        index = model_path / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (model_path / "model.safetensors").is_file():
+            shards = ["model.safetensors"]
+        else:
+            raise CheckpointError(f"{model_path} has no model.safetensors or "
+                                  "model.safetensors.index.json; only safetensors checkpoints load")
+        self._files = [safe_open(str(model_path / shard), framework="pt") for shard in shards]
+        self._where = {name: f for f in self._files for name in f.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -173,8 +183,9 @@ class _Step:
     tokens: torch.Tensor        # [B, S] token ids computed now
     positions: torch.Tensor     # [B, S] absolute positions (clamped into the RoPE table)
     last: torch.Tensor          # [B] index in S of each row's last real token
-    # sliding? -> [B, 1, group*S, T]: keys each query may attend, repeated for the `group` query
-    # heads that share a KV head (the GQA layout of _attention).
+    # sliding? -> [B, 1, group*S, T]: 0 where a query may attend a key, -inf elsewhere (in the
+    # model's dtype, built once per step: SDPA would convert a bool mask in every layer), repeated
+    # for the `group` query heads that share a KV head (the GQA layout of _attention).
     masks: dict[bool, torch.Tensor]
     lanes: list[tuple[int, torch.Tensor | None]]  # (lane, rows of the batch; None = all)
     block_table: torch.Tensor   # [B, T // block_size] block ids, 0 where the row needs none
@@ -194,7 +205,7 @@ class TorchLlamaForCausalLM:
     # Checkpoint tensors an architecture cannot do without, beyond the Llama set.
     required_extras: tuple[str, ...] = ()
 
-    def __init__(self, shape: LlamaShape, state: dict[str, torch.Tensor], device: torch.device,
+    def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int) -> None:
         self.shape = shape
         self.device = device
@@ -207,7 +218,10 @@ class TorchLlamaForCausalLM:
         freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos = emb.cos().to(device, dtype)
-        self._sin = emb.sin().to(device, dtype)
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign folded into the
+        # table saves rotate_half's negation and concatenation in every layer.
+        half = emb.shape[-1] // 2
+        self._sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1).to(device, dtype)
         self._decode_graph: DecodeGraph | None = None
 
     @classmethod
@@ -220,7 +234,7 @@ class TorchLlamaForCausalLM:
             raise ValueError(f"max_batch_size={max_batch_size}, tt_data_parallel="
                              f"{tt_data_parallel} and max_seq_len={max_seq_len} must be positive")
         shape = LlamaShape.from_config(config)
-        state = _load_state_dict(Path(model_path))
+        state = _Checkpoint(Path(model_path))
         return cls(shape, state, torch.device(mesh_device), dtype, max_batch_size, max_seq_len,
                    tt_data_parallel)
 
@@ -244,25 +258,23 @@ class TorchLlamaForCausalLM:
         self.final_norm = take("model.norm.weight")
         tie = self.shape.tie_word_embeddings
         if tie or (tie is None and "lm_head.weight" not in state):
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = Linear(take("lm_head.weight"))
         self.layers = []
         for i in range(self.shape.num_layers):
             p = f"model.layers.{i}"
             biases = [maybe(f"{p}.self_attn.{n}_proj.bias") for n in "qkv"]
             self.layers.append(_Layer(
                 input_norm=take(f"{p}.input_layernorm.weight"),
-                wqkv=torch.cat([take(f"{p}.self_attn.{n}_proj.weight") for n in "qkv"]),
-                bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
+                qkv=Linear(torch.cat([take(f"{p}.self_attn.{n}_proj.weight") for n in "qkv"]),
+                           torch.cat(biases) if all(b is not None for b in biases) else None),
                 q_norm=maybe(f"{p}.self_attn.q_norm.weight"),
                 k_norm=maybe(f"{p}.self_attn.k_norm.weight"),
-                wo=take(f"{p}.self_attn.o_proj.weight"),
-                bo=maybe(f"{p}.self_attn.o_proj.bias"),
+                o=Linear(take(f"{p}.self_attn.o_proj.weight"), maybe(f"{p}.self_attn.o_proj.bias")),
                 post_norm=take(f"{p}.post_attention_layernorm.weight"),
-                w_gate_up=torch.cat([take(f"{p}.mlp.gate_proj.weight"),
-                                     take(f"{p}.mlp.up_proj.weight")]),
-                w_down=take(f"{p}.mlp.down_proj.weight"),
+                mlp=SwiGLU(take(f"{p}.mlp.gate_proj.weight"), take(f"{p}.mlp.up_proj.weight"),
+                           take(f"{p}.mlp.down_proj.weight")),
             ))
 
     # --- contract: cache ---------------------------------------------------------------------
@@ -270,16 +282,16 @@ class TorchLlamaForCausalLM:
     def allocate_kv_cache(self, kv_cache_shape: tuple[int, ...], dtype: torch.dtype,
                           num_layers: int) -> KVCache:
         """One cache per lane: [lane][layer] -> [K, V], each kv_cache_shape plus one scratch block
-        (the last) that static-shape decode steps write their empty rows into."""
+        (the last) that static-shape decode steps write their empty rows into. The tensors are
+        views of one storage per lane (worker/models/paged_kv.py), which attention reads fastest."""
         blocks, kv_heads, block_size, head_dim = kv_cache_shape
         if (kv_heads, head_dim) != (self.shape.num_kv_heads, self.shape.head_dim):
             raise ValueError(f"kv_cache_shape {tuple(kv_cache_shape)} does not fit the model: "
                              f"num_kv_heads={self.shape.num_kv_heads}, head_dim={self.shape.head_dim}")
         if num_layers != self.shape.num_layers:
             raise ValueError(f"num_layers={num_layers}, the model has {self.shape.num_layers}")
-        shape = (blocks + 1, kv_heads, block_size, head_dim)
-        return [[[torch.zeros(shape, dtype=dtype, device=self.device) for _ in "kv"]
-                 for _ in range(num_layers)] for _ in range(self.lanes)]
+        return paged_kv.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim,
+                                 dtype, self.device)
 
     # --- contract: forward passes ------------------------------------------------------------
 
@@ -351,8 +363,11 @@ class TorchLlamaForCausalLM:
         if sampling_params is not None:
             out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
             out[live_dev] = sample(logits, sampling_params.select(live.tolist()))
+        elif logits.shape[0] == rows:
+            out = logits.unsqueeze(1)  # every row live, in order
         else:
-            out = torch.zeros(rows, 1, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            # Empty rows' logits are garbage by contract: not zeroed (a [rows, vocab] fill per step).
+            out = logits.new_empty(rows, 1, logits.shape[-1])
             out[live_dev, 0] = logits
         return self.read_decode_output(out) if read_from_device else out
 
@@ -425,7 +440,8 @@ class TorchLlamaForCausalLM:
         if self.shape.sliding_window is not None:
             masks[True] = causal & (keys[None, :] > at[:, None] - self.shape.sliding_window)
         group = self.shape.num_heads // self.shape.num_kv_heads
-        masks = {k: m[:, None, None, :].expand(rows, 1, group, m.shape[-1]) for k, m in masks.items()}
+        masks = {k: _additive(m[:, None, None, :].expand(rows, 1, group, m.shape[-1]), self.dtype)
+                 for k, m in masks.items()}
         blk = torch.where(live, table.gather(1, (at // block_size)[:, None]).squeeze(1), scratch)
         off = torch.where(live, at % block_size, 0)
         per_lane = self.max_batch_size
@@ -484,7 +500,7 @@ class TorchLlamaForCausalLM:
             tokens=chunk_tokens.to(dev),
             positions=positions.clamp(max=self.max_seq_len - 1).to(dev),
             last=(end - start - 1).clamp(min=0).to(dev),
-            masks={k: v.to(dev) for k, v in masks.items()},
+            masks={k: _additive(v.to(dev), self.dtype) for k, v in masks.items()},
             lanes=lanes,
             block_table=table.to(dev),
             writes=writes,
@@ -492,65 +508,58 @@ class TorchLlamaForCausalLM:
 
     def _forward(self, step: _Step, kv_cache: KVCache) -> torch.Tensor:
         """Runs every layer; returns float32 logits [B, vocab] of each row's last real token."""
+        eps = self.shape.rms_norm_eps
         x = F.embedding(step.tokens, self.embed)
         cos = self._cos[step.positions].unsqueeze(2)  # [B, S, 1, head_dim]
         sin = self._sin[step.positions].unsqueeze(2)
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, self.shape.rms_norm_eps)
-            x = x + self._attention(layer, h, cos, sin, step, kv_cache, i)
-            h = _rms_norm(x, layer.post_norm, self.shape.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            x = x + self._attention(layer, _rms_norm(x, layer.input_norm, eps), cos, sin, step, kv_cache, i)
+            x = x + layer.mlp(_rms_norm(x, layer.post_norm, eps))
         last = x[torch.arange(x.shape[0], device=x.device), step.last]
-        return F.linear(_rms_norm(last, self.final_norm, self.shape.rms_norm_eps),
-                        self.lm_head).float()
+        return self.lm_head(_rms_norm(last, self.final_norm, eps)).float()
 
     def _attention(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    step: _Step, kv_cache: KVCache, index: int) -> torch.Tensor:
         s = self.shape
         batch, width, _ = h.shape
-        qkv = F.linear(h, layer.wqkv, layer.bqkv)
-        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                             s.num_kv_heads * s.head_dim], dim=-1)
-        q = q.view(batch, width, s.num_heads, s.head_dim)
-        k = k.view(batch, width, s.num_kv_heads, s.head_dim)
-        v = v.view(batch, width, s.num_kv_heads, s.head_dim)
+        heads = s.num_heads + s.num_kv_heads
+        qkv = layer.qkv(h)
+        qk = qkv[..., :heads * s.head_dim].view(batch, width, heads, s.head_dim)
+        v = qkv[..., heads * s.head_dim:].view(batch, width, s.num_kv_heads, s.head_dim)
         if layer.q_norm is not None:
-            q = _rms_norm(q, layer.q_norm, s.rms_norm_eps)
-        if layer.k_norm is not None:
-            k = _rms_norm(k, layer.k_norm, s.rms_norm_eps)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=2)
+            qk = torch.cat([_rms_norm(q, layer.q_norm, s.rms_norm_eps),
+                            _rms_norm(k, layer.k_norm, s.rms_norm_eps)], dim=2)
+        # RoPE on q and k heads at once (sin carries rotate_half's sign, see __init__).
+        qk = torch.addcmul(qk * cos, qk.roll(s.head_dim // 2, dims=-1), sin)
+        q, k = qk.split([s.num_heads, s.num_kv_heads], dim=2)
 
         mask = step.masks[s.sliding_layers[index]]
         group = s.num_heads // s.num_kv_heads
         # GQA without copying K/V: the `group` query heads of one KV head become extra query rows.
-        q = q.view(batch, width, s.num_kv_heads, group, s.head_dim).permute(0, 2, 3, 1, 4)
-        out = torch.empty_like(q)
+        q = q.reshape(batch, width, s.num_kv_heads, group, s.head_dim).permute(0, 2, 3, 1, 4)
         k_flat = k.reshape(batch * width, s.num_kv_heads, s.head_dim)
         v_flat = v.reshape(batch * width, s.num_kv_heads, s.head_dim)
+        out = None if len(step.lanes) == 1 else torch.empty_like(q)
         for lane, rows in step.lanes:
-            cache_k, cache_v = kv_cache[lane][index]
             flat, blk, off = step.writes[lane]
             # Write first, then read: the chunk attends to its own keys through the cache.
-            cache_k[blk, :, off] = k_flat[flat].to(cache_k.dtype)
-            cache_v[blk, :, off] = v_flat[flat].to(cache_v.dtype)
-            table = step.block_table if rows is None else step.block_table[rows]
-            keys = _gather_blocks(cache_k, table, self.dtype)
-            values = _gather_blocks(cache_v, table, self.dtype)
+            keys, values = paged_kv.write_then_gather(
+                *kv_cache[lane][index], blk, off, k_flat[flat], v_flat[flat],
+                step.block_table if rows is None else step.block_table[rows])
             q_l = q if rows is None else q[rows]
             m = mask if rows is None else mask[rows]
             n = q_l.shape[0]
             o = F.scaled_dot_product_attention(
-                q_l.reshape(n, s.num_kv_heads, group * width, s.head_dim), keys, values,
-                attn_mask=m)
+                q_l.reshape(n, s.num_kv_heads, group * width, s.head_dim), keys.to(q.dtype),
+                values.to(q.dtype), attn_mask=m)
             o = o.view(n, s.num_kv_heads, group, width, s.head_dim)
-            if rows is None:
+            if out is None:
                 out = o
             else:
                 out[rows] = o
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, width, s.num_heads * s.head_dim)
-        return F.linear(out, layer.wo, layer.bo)
+        return layer.o(out)
 
 
 def _block_table(page_table: torch.Tensor, end: torch.Tensor, block_size: int,
@@ -576,24 +585,15 @@ def _block_table(page_table: torch.Tensor, end: torch.Tensor, block_size: int,
     return torch.where(in_use, table, 0)
 
 
-def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[blocks, kv_heads, block_size, head_dim] by table [n, nb] -> [n, kv_heads, nb*bs, head_dim]."""
-    n, nb = table.shape
-    _, heads, block_size, head_dim = cache.shape
-    got = cache[table]  # [n, nb, heads, bs, hd]
-    return got.permute(0, 2, 1, 3, 4).reshape(n, heads, nb * block_size, head_dim).to(dtype)
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as transformers' LlamaRMSNorm: statistics in float32.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    # Statistics in float32 (torch upcasts a 16-bit input inside rms_norm), as transformers'
+    # LlamaRMSNorm; the weight is applied before the one rounding to x's dtype, where
+    # transformers rounds, then multiplies: equal in float32, within bf16 rounding otherwise.
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 def _long(values: Sequence[int] | torch.Tensor, rows: int) -> torch.Tensor:

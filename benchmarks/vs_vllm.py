@@ -1,0 +1,254 @@
+"""ttserve against vLLM CPU on the same prepared model folder and machine, one server at a time.
+
+Each round starts one server, waits until it answers a completion (its start-up time, warmup
+included), drives it with `vllm bench serve` (random 128-token prompts, 64 output tokens,
+--ignore-eos) at each concurrency, records the RSS of every process of the server, stops it,
+then does the same for the other. Rounds alternate which server goes first. Both servers get
+the same KV budget, the same dtype and the whole machine: vLLM with VLLM_CPU_OMP_THREADS_BIND
+over every core this process may use (shared/notes/vllm-cpu.md), ttserve as `ttserve up`.
+
+Prints output tok/s, TTFT p50 and TPOT p50 of both and the ratios ttserve / vLLM (tok/s: higher
+is better for ttserve; TTFT, TPOT: lower is), start-up seconds, and per-process RSS at ready and
+after the load. The KV cache is allocated zeroed (resident) by both; "non-KV" subtracts it.
+
+    python benchmarks/vs_vllm.py [--concurrency 1 8 32] [--rounds 1] [--dtype bfloat16]
+    python benchmarks/vs_vllm.py --quick     # CI: tiny load, vLLM --enforce-eager
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+INPUT_LEN, OUTPUT_LEN = 128, 64
+KV_BYTES = 1 << 30
+GIB = float(1 << 30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One server under test: its command line, and what was measured of it."""
+
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def start(self, model_name: str, timeout: float) -> float:
+        """Starts the server; returns seconds until it answered a one-token completion."""
+        self.log_path = Path(tempfile.mkstemp(prefix=f"vs_vllm-{self.name}-", suffix=".log")[1])
+        started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            # VLLM_CPU_KVCACHE_SPACE=0 (a gateway's setting: no KV) would starve vLLM's server.
+            env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+            self.proc = subprocess.Popen(self.argv, env={**env, **self.env}, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        body = json.dumps({"model": model_name, "prompt": "Hello", "max_tokens": 1}).encode()
+        while time.monotonic() - started < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    if response.status == 200:
+                        return time.monotonic() - started
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.name} did not serve within {timeout:.0f} s; see {self.log_path}")
+
+    def rss(self) -> dict[str, float]:
+        """GiB resident per process of the server (the leader and every descendant)."""
+        assert self.proc is not None
+        leader = psutil.Process(self.proc.pid)
+        out: dict[str, float] = {}
+        for p in [leader, *leader.children(recursive=True)]:
+            try:
+                out[f"{_label(p)} ({p.pid})"] = p.memory_info().rss / GIB
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _label(p: psutil.Process) -> str:
+    cmd = p.cmdline()
+    if "-m" in cmd and cmd.index("-m") + 1 < len(cmd):
+        return cmd[cmd.index("-m") + 1]
+    return p.name() if len(cmd) < 2 else Path(cmd[1]).name + (" " + cmd[2] if len(cmd) > 2 else "")
+
+
+def vllm_server(model: Path, name: str, dtype: str, eager: bool) -> Server:
+    cores = sorted(os.sched_getaffinity(0))
+    port = free_port()
+    argv = [sys.executable, str(HERE / "vllm_cli.py"), "serve", str(model), "--served-model-name", name,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+            "--kv-cache-memory-bytes", str(KV_BYTES), "--seed", "0"] + (["--enforce-eager"] if eager else [])
+    return Server("vllm", argv, port, env={"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"
+                                           if cores == list(range(cores[0], cores[-1] + 1))
+                                           else ",".join(map(str, cores)),
+                                           "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+
+
+def ttserve_server(model: Path, dtype: str, extra: list[str]) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "ttserve.cli", "up", "--port", str(port),
+            "--control-port", str(free_port()), "--worker-port", str(free_port()),
+            "--control-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port()),
+            "--model", str(model), "--dtype", dtype, "--kv-cache-memory-bytes", str(KV_BYTES), *extra]
+    return Server("ttserve", argv, port)
+
+
+def bench(server: Server, model: Path, name: str, concurrency: int, prompts: int, output_len: int,
+          result_dir: Path) -> dict:
+    """One `vllm bench serve` run; returns its saved result."""
+    filename = f"{server.name}-c{concurrency}-{time.monotonic_ns()}.json"
+    argv = [sys.executable, str(HERE / "vllm_cli.py"), "bench", "serve", "--backend", "vllm",
+            "--base-url", f"http://127.0.0.1:{server.port}", "--model", name, "--tokenizer", str(model),
+            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
+            "--random-output-len", str(output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
+            "--num-prompts", str(prompts), "--seed", "0", "--percentile-metrics", "ttft,tpot",
+            "--metric-percentiles", "50", "--num-warmups", str(concurrency), "--disable-tqdm", "--save-result",
+            "--result-dir", str(result_dir), "--result-filename", filename]
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads((result_dir / filename).read_text())
+    if result.get("completed") != prompts:
+        raise RuntimeError(f"{server.name}: {result.get('completed')} of {prompts} requests completed")
+    return result
+
+
+def run_server(server: Server, model: Path, name: str, levels: list[int], prompts_per: dict[int, int],
+               output_len: int, result_dir: Path, timeout: float) -> dict:
+    try:
+        startup = server.start(name, timeout)
+        at_ready = server.rss()
+        runs = {}
+        for c in levels:
+            r = bench(server, model, name, c, prompts_per[c], output_len, result_dir)
+            runs[c] = {"output_tok_s": r["output_throughput"], "ttft_p50_ms": r["median_ttft_ms"],
+                       "tpot_p50_ms": r["median_tpot_ms"]}
+            print(f"  {server.name} c={c}: {runs[c]['output_tok_s']:.1f} tok/s, TTFT p50 "
+                  f"{runs[c]['ttft_p50_ms']:.0f} ms, TPOT p50 {runs[c]['tpot_p50_ms']:.1f} ms", flush=True)
+        return {"startup_s": startup, "rss_ready_gib": at_ready, "rss_after_gib": server.rss(), "runs": runs}
+    finally:
+        server.stop()
+
+
+def _median(rounds: list[dict], c: int, key: str) -> float:
+    return statistics.median(r["runs"][c][key] for r in rounds)
+
+
+def report(results: dict[str, list[dict]], levels: list[int]) -> dict:
+    v, t = results["vllm"], results["ttserve"]
+    rows = []
+    print("\n| concurrency | vLLM out tok/s | ttserve out tok/s | ratio | TTFT p50 ms vLLM / ttserve (ratio) "
+          "| TPOT p50 ms vLLM / ttserve (ratio) |")
+    print("|---|---|---|---|---|---|")
+    for c in levels:
+        row = {k: (_median(v, c, k), _median(t, c, k)) for k in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms")}
+        ratios = {k: b / a for k, (a, b) in row.items()}
+        rows.append({"concurrency": c, **{k: {"vllm": a, "ttserve": b, "ratio": ratios[k]}
+                                          for k, (a, b) in row.items()}})
+        (tv, tt), (fv, ft), (pv, pt) = row["output_tok_s"], row["ttft_p50_ms"], row["tpot_p50_ms"]
+        print(f"| {c} | {tv:.1f} | {tt:.1f} | {ratios['output_tok_s']:.2f} | {fv:.0f} / {ft:.0f} "
+              f"({ratios['ttft_p50_ms']:.2f}) | {pv:.1f} / {pt:.1f} ({ratios['tpot_p50_ms']:.2f}) |")
+    summary = {"table": rows}
+    for name, rounds in results.items():
+        startup = statistics.median(r["startup_s"] for r in rounds)
+        last = rounds[-1]
+        total_ready, total_after = sum(last["rss_ready_gib"].values()), sum(last["rss_after_gib"].values())
+        summary[name] = {"startup_s": startup, "rss_ready_gib": last["rss_ready_gib"],
+                         "rss_after_gib": last["rss_after_gib"], "rss_total_after_gib": total_after,
+                         "rss_non_kv_after_gib": total_after - KV_BYTES / GIB}
+        print(f"\n{name}: start-up to serving {startup:.1f} s; RSS at ready {total_ready:.2f} GiB, after load "
+              f"{total_after:.2f} GiB ({total_after - KV_BYTES / GIB:.2f} GiB without the "
+              f"{KV_BYTES / GIB:.0f} GiB KV cache)")
+        for proc, gib in last["rss_after_gib"].items():
+            print(f"  {proc}: {gib * 1024:.0f} MiB")
+    print(f"\nratio start-up ttserve / vLLM: {summary['ttserve']['startup_s'] / summary['vllm']['startup_s']:.2f}")
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="an embedded model name or a prepared folder")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=1, help="rounds; each alternates which server goes first")
+    parser.add_argument("--dtype", default="bfloat16", help="both servers' --dtype")
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI: concurrency 1 and 4, 4 prompts each, 16 output tokens, vLLM eager")
+    parser.add_argument("--only", choices=("vllm", "ttserve"), default=None,
+                        help="run one server (no ratios): for profiling one side")
+    parser.add_argument("--ttserve-arg", action="append", default=[], metavar="ARG",
+                        help="one more `ttserve up` argument (repeat for several)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here too")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to serve")
+    args = parser.parse_args()
+    levels, output_len = args.concurrency, OUTPUT_LEN
+    prompts_per = {c: max(8, 3 * c) for c in levels}
+    if args.quick:
+        levels, output_len, args.enforce_eager, args.rounds = [1, 4], 16, True, 1
+        prompts_per = {c: 4 for c in levels}
+    from ttserve.worker.model_prepare import resolve_model
+
+    model = resolve_model(args.model)
+    name = model.name
+    results: dict[str, list[dict]] = {"vllm": [], "ttserve": []}
+    with tempfile.TemporaryDirectory(prefix="vs_vllm-") as tmp:
+        for i in range(args.rounds):
+            order = ["vllm", "ttserve"] if i % 2 == 0 else ["ttserve", "vllm"]
+            order = [args.only] if args.only else order
+            for which in order:
+                server = (vllm_server(model, name, args.dtype, args.enforce_eager) if which == "vllm"
+                          else ttserve_server(model, args.dtype, args.ttserve_arg))
+                print(f"round {i + 1}: {which}", flush=True)
+                results[which].append(run_server(server, model, name, levels, prompts_per, output_len,
+                                                 Path(tmp), args.timeout))
+    if args.only:
+        print(json.dumps(results[args.only], indent=2, default=str))
+        return 0
+    summary = report(results, levels)
+    summary["rounds"] = results
+    summary["settings"] = {"input_len": INPUT_LEN, "output_len": output_len, "prompts": prompts_per,
+                           "dtype": args.dtype, "vllm_enforce_eager": args.enforce_eager,
+                           "kv_cache_bytes": KV_BYTES, "cores": sorted(os.sched_getaffinity(0))}
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Benchmarks must not rot: each one in benchmarks/ runs in its --quick mode, completes and
+prints the ratios it exists to report. Nothing here bounds a wall-clock time or a ratio's value
+(a shared CI machine's load would make that a coin toss); a crash, a missing figure or a
+non-finite ratio fails."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+# benchmark -> what its output must contain (regexes); ratios must be finite numbers.
+EXPECTED = {
+    "scheduler_cost.py": [r'"ratio": [0-9.]+', r'"ratio_with_step_proto": [0-9.]+'],
+    "phase_policy.py": [r'"worst_itl_ratio": [0-9.]+', r'"burst_ttft_ratio": [0-9.]+'],
+    "metrics_cost.py": [r'"ttserve_over_baseline": [0-9.]+', r'"naive_over_baseline": [0-9.]+'],
+    "sim_decode.py": [r'"ratio_to_limit": [0-9.]+'],
+    "lanes.py": [r'"ratio_vs_1_lane": [0-9.]+'],
+    "throughput.py": [r'"ratio_single_vs_transformers": [0-9.]+', r'"ratio_concurrent_vs_single": [0-9.]+'],
+    "differential.py": [r'"agree_ratio": [0-9.]+'],
+    # The soak exits 1 on anything lost or leaked; its report says so too.
+    "soak.py": [r'"worker_kills": [1-9]', r'"completed": [1-9]', r'"lost": 0,', r'"leaked_kv_blocks": 0,'],
+    "vs_vllm.py": [r"\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", r"\| 4 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|",
+                   r"ratio start-up ttserve / vLLM: [0-9.]+", r"ttserve: start-up to serving [0-9.]+ s"],
+}
+
+
+def test_every_benchmark_has_a_quick_check():
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")}
+    helpers = {"control_stack.py", "vllm_cli.py"}  # imported or run by the benchmarks
+    assert scripts - helpers == set(EXPECTED), "a benchmark without a quick check (or a stale entry)"
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_benchmark_quick_mode_completes_and_prints_its_ratios(script):
+    # The gateway modules this session imported set VLLM_CPU_KVCACHE_SPACE=0 for a frontend that
+    # holds no KV (gateway/vllm_compat.py); a vLLM server started from here must not inherit it.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True,
+                          text=True, cwd=BENCHMARKS.parent, timeout=1200, env=env)
+    assert done.returncode == 0, f"{script} --quick failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    for pattern in EXPECTED[script]:
+        assert re.search(pattern, done.stdout), f"{script} printed no {pattern!r}:\n{done.stdout[-3000:]}"
+    for value in re.findall(r'"[a-z_]*ratio[a-z_]*": ([^,}\n]+)', done.stdout):
+        assert math.isfinite(float(value)), f"{script}: a ratio is {value}"
+    if script == "differential.py":
+        assert "error" not in json.loads(done.stdout), done.stdout[-3000:]
