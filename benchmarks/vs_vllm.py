@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,17 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from control_stack import free_port
 
 HERE = Path(__file__).resolve().parent
 INPUT_LEN, OUTPUT_LEN = 128, 64
 KV_BYTES = 1 << 30
 GIB = float(1 << 30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

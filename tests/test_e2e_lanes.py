@@ -50,7 +50,7 @@ def test_four_lane_group_matches_one_lane_and_spreads_load(tmp_path, smollm2, re
         assert client.server_info().workers[0].num_lanes == 4
         client.close()
         results = run(stack.control_address, PROMPTS)
-        assert "runs 4 lane(s) x 2 seqs as one program" in stack.services[1].output()
+        assert "runs 4 lane(s) x 2 seqs in one process" in stack.services[1].output()
     finally:
         stack.stop()
     assert {rid: r.token_ids for rid, r in results.items()} == reference

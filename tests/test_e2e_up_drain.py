@@ -21,6 +21,30 @@ SIM_WORKER = ("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b")
 SHORT_TOKENS, LONG_TOKENS = 60, 1000
 
 
+def start_up(tmp_path, model) -> tuple[subprocess.Popen, str, object]:
+    """`ttserve up` on the simulated worker, on free ports; (process, gateway URL, log path)."""
+    ports = [free_port() for _ in range(5)]
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        # A process group of its own, as a shell gives a foreground job: killpg then signals what
+        # a terminal's Ctrl-C signals.
+        proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
+                                 "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
+                                 "--control-metrics-port", str(ports[3]),
+                                 "--worker-metrics-port", str(ports[4]), "--model", str(model),
+                                 *SIM_WORKER], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{ports[0]}", log_path
+
+
+def stop_up(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # up stops its services, which are out of its process group
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def start_stream(url: str, model: str, max_tokens: int):
     """A streamed completion of exactly `max_tokens` unless cut short, its first chunk read."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -46,17 +70,7 @@ def finish(chunks, timeout: float = 60) -> tuple[list[str], int]:
 
 
 def test_ctrl_c_drains_the_streams_in_flight_and_a_second_one_aborts_the_rest(tmp_path, smollm2):
-    ports = [free_port() for _ in range(5)]
-    url = f"http://127.0.0.1:{ports[0]}"
-    log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        # A process group of its own, as a shell gives a foreground job: killpg then signals what
-        # a terminal's Ctrl-C signals.
-        proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
-                                 "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
-                                 "--control-metrics-port", str(ports[3]),
-                                 "--worker-metrics-port", str(ports[4]), "--model", str(smollm2),
-                                 *SIM_WORKER], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, url, log_path = start_up(tmp_path, smollm2)
     try:
         wait_until(lambda: http_ok(f"{url}/health"), 300, "ttserve up")
         short = start_stream(url, smollm2.name, SHORT_TOKENS)
@@ -70,26 +84,13 @@ def test_ctrl_c_drains_the_streams_in_flight_and_a_second_one_aborts_the_rest(tm
         assert proc.wait(timeout=60) == 0, log_path.read_text()[-4000:]
         assert "Traceback" not in log_path.read_text()
     finally:
-        if proc.poll() is None:
-            proc.terminate()  # up stops its services, which are out of its process group
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_up(proc)
 
 
 def test_up_restarts_a_killed_worker_and_the_stream_in_flight_completes(tmp_path, smollm2):
     """As an operator's SIGKILL (or a crash) would: the worker dies under a streaming request, up
     restarts it, the control plane moves the request onto it, and the HTTP client sees a pause."""
-    ports = [free_port() for _ in range(5)]
-    url = f"http://127.0.0.1:{ports[0]}"
-    log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
-                                 "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
-                                 "--control-metrics-port", str(ports[3]),
-                                 "--worker-metrics-port", str(ports[4]), "--model", str(smollm2),
-                                 *SIM_WORKER], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, url, log_path = start_up(tmp_path, smollm2)
     try:
         wait_until(lambda: http_ok(f"{url}/health"), 300, "ttserve up")
         stream = start_stream(url, smollm2.name, SHORT_TOKENS)
@@ -103,9 +104,4 @@ def test_up_restarts_a_killed_worker_and_the_stream_in_flight_completes(tmp_path
         assert "worker exited with code -9; restarting it in 1 s" in output and "worker restarted" in output
         assert proc.poll() is None  # the stack stayed up
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_up(proc)
