@@ -67,3 +67,39 @@ def test_the_gateway_answers_an_overload_with_503_and_retry_after(tmp_path, smol
         assert complete(99)[0] == 200  # and serves normally afterwards
     finally:
         stack.stop()
+
+
+def test_a_burst_of_ten_times_capacity_is_bounded_and_served(tmp_path, smollm2):
+    """4 rows + 8 queued = 12 requests of capacity; 120 arrive at once. Admitted ones complete,
+    the rest are refused as overloaded, memory stays flat, and the stack serves normally after."""
+    import psutil
+
+    flags = ("--max-num-queued-reqs", "8", "--max-num-seqs", "4")
+    stack = start_stack(tmp_path, str(smollm2), gateway=False, control_flags=flags,
+                        worker_flags=("--backend", "sim", "--sim-profile", "galaxy-llama-3.3-70b"))
+    client = ControlClient(stack.control_address)
+    try:
+        procs = {s.name: psutil.Process(s.proc.pid) for s in stack.services}
+        client.add("warm", [1, 2, 3], 4, eos_token_ids=())
+        client.collect({"warm"})
+        before = {name: p.memory_info().rss for name, p in procs.items()}
+        ids = [f"b{i}" for i in range(120)]
+        for rid in ids:
+            client.add(rid, [1, 2, 3] * 10, 16, eos_token_ids=())
+        verdicts = {}
+        while len(verdicts) < len(ids):
+            message = client.next()
+            if message.HasField("admission"):
+                verdicts[message.admission.request_id] = message.admission.verdict
+        accepted = {rid for rid, v in verdicts.items() if v == engine_pb2.Admission.VERDICT_ACCEPTED}
+        overloaded = [rid for rid, v in verdicts.items() if v == engine_pb2.Admission.VERDICT_OVERLOADED]
+        assert len(accepted) + len(overloaded) == len(ids) and 0 < len(accepted) < len(ids)
+        done = client.collect(accepted)
+        assert all(len(r.token_ids) == 16 for r in done.values())
+        growth = {name: (p.memory_info().rss - before[name]) >> 20 for name, p in procs.items()}
+        assert all(mib < 64 for mib in growth.values()), growth  # MiB: bounded, not a leak per request
+        client.add("after", [1, 2, 3], 4, eos_token_ids=())
+        assert len(client.collect({"after"})["after"].token_ids) == 4
+    finally:
+        client.close()
+        stack.stop()
