@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ttserve.worker.batch import DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch
+from ttserve.worker.batch import DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
 from ttserve.worker.models import TorchLlamaForCausalLM
 from ttserve.worker.runner import DeviceOptions, ModelRunner
 from ttserve.worker.sim import PROFILES, SimModel, next_token
@@ -24,21 +24,28 @@ def runner(model_path, model_cls=TorchLlamaForCausalLM, backend_traces=False, kv
     return r, progress
 
 
-def generate(r: ModelRunner, steps: int = 10, min_tokens: int = 0) -> tuple[dict, list[bool]]:
-    news = [NewRequest("greedy", 0, 0, 0.0, 1.0, 0, None, min_tokens, [2] if min_tokens else []),
-            NewRequest("seeded", 0, 1, 0.8, 0.9, 50, 1234)]
+def run_steps(r: ModelRunner, news: list[NewRequest], steps: int) -> tuple[dict, list[StepResult]]:
+    """Prefill PROMPTS as `news` (request "greedy" in block 0, "seeded" in block 1), then `steps`
+    decodes; every request's tokens, and each step's result."""
     blocks = {"greedy": [0], "seeded": [1]}
     result = r.execute(StepBatch(1, "prefill", new_requests=news,
                                  prefill=[PrefillChunk(rid, ids, 0, blocks[rid], True) for rid, ids in PROMPTS.items()]))
     out = {rid: [t] for rid, t in result.tokens.items()}
-    paths = [result.sampled_on_device]
+    results = [result]
     for step in range(steps):
         items = [DecodeItem(rid, out[rid][-1], len(PROMPTS[rid]) + step, []) for rid in PROMPTS]
         result = r.execute(StepBatch(2 + step, "decode", decode=items))
-        paths.append(result.sampled_on_device)
+        results.append(result)
         for rid, t in result.tokens.items():
             out[rid].append(t)
-    return out, paths
+    return out, results
+
+
+def generate(r: ModelRunner, steps: int = 10, min_tokens: int = 0) -> tuple[dict, list[bool]]:
+    news = [NewRequest("greedy", 0, 0, 0.0, 1.0, 0, None, min_tokens, [2] if min_tokens else []),
+            NewRequest("seeded", 0, 1, 0.8, 0.9, 50, 1234)]
+    out, results = run_steps(r, news, steps)
+    return out, [result.sampled_on_device for result in results]
 
 
 @pytest.fixture(scope="module")
@@ -181,22 +188,11 @@ def test_a_grammar_bitmask_sends_its_batch_to_the_host_and_masks_the_token(smoll
 
 
 def _rows_run(smollm2, rows: dict[str, int]) -> tuple[dict, list]:
-    """`generate`'s two requests placed in the given device rows, with logprobs on the seeded one."""
     r = runner(smollm2)[0]
     news = [NewRequest("greedy", 0, rows["greedy"], 0.0, 1.0, 0, None),
             NewRequest("seeded", 0, rows["seeded"], 0.8, 0.9, 50, 1234, host=HostSampling(logprobs=2))]
-    blocks = {"greedy": [0], "seeded": [1]}
-    result = r.execute(StepBatch(1, "prefill", new_requests=news,
-                                 prefill=[PrefillChunk(rid, ids, 0, blocks[rid], True) for rid, ids in PROMPTS.items()]))
-    out = {rid: [t] for rid, t in result.tokens.items()}
-    logprobs = []
-    for step in range(6):
-        items = [DecodeItem(rid, out[rid][-1], len(PROMPTS[rid]) + step, []) for rid in PROMPTS]
-        result = r.execute(StepBatch(2 + step, "decode", decode=items))
-        logprobs.append(result.logprobs)
-        for rid, t in result.tokens.items():
-            out[rid].append(t)
-    return out, logprobs
+    out, results = run_steps(r, news, 6)
+    return out, [result.logprobs for result in results[1:]]
 
 
 def test_host_sampling_samples_the_live_rows_wherever_they_sit_and_keys_logprobs_by_request(smollm2):
