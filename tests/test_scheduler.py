@@ -11,7 +11,7 @@ from ttserve.control.blocks import BlockPool
 from ttserve.control.phase import PhasePolicy
 from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
-from ttserve.control.step import StepKind, StepPlan
+from ttserve.control.step import StepKind
 from ttserve.control.wire import output_to_pb, request_from_pb, step_batch_to_pb
 from lane_of_one import LaneOfOne
 from ttserve.control.lanes import GroupPlan

@@ -51,6 +51,14 @@ def tt_metal(monkeypatch):
 
 
 @pytest.fixture
+def no_vllm(monkeypatch):
+    """vLLM as an uninstalled package looks to import and find_spec (a None in sys.modules)."""
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+
+
+@pytest.fixture
 def no_hf_model(monkeypatch):
     """HF_MODEL (and LLAMA_DIR) unset, and restored after: the worker sets them in os.environ."""
     for var in ("HF_MODEL", "LLAMA_DIR"):
@@ -100,10 +108,7 @@ def worker_args(*argv: str) -> argparse.Namespace:
 
 # ---- vLLM at the top of generator_vllm.py -----------------------------------------------------
 
-def test_a_missing_vllm_is_named_with_its_fix_not_blamed_on_pythonpath(tt_metal, monkeypatch):
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "vllm", None)  # what an uninstalled package looks like to import
+def test_a_missing_vllm_is_named_with_its_fix_not_blamed_on_pythonpath(tt_metal, no_vllm):
     with pytest.raises(ModelLoadError) as e:
         build_registry("ttnn", {}).resolve(["LlamaForCausalLM"])
     message = str(e.value)
@@ -116,18 +121,11 @@ def test_with_vllm_the_built_in_classes_import_from_tt_metal(tt_metal):
     assert cls.__module__ == "models.tt_transformers.tt.generator_vllm" and cls.__name__ == "LlamaForCausalLM"
 
 
-def test_the_worker_refuses_to_start_without_vllm_in_one_line(tt_metal, monkeypatch, tmp_path):
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else _find(name))
+def test_the_worker_refuses_to_start_without_vllm_in_one_line(tt_metal, no_vllm, tmp_path):
     plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path))), {},
                        probe=lambda: chips())
     assert any("imports vLLM at its top" in p and "VLLM_TARGET_DEVICE=empty" in p for p in plan.fatal), plan.problems
-
-
-_real_find_spec = __import__("importlib.util").util.find_spec
-
-
-def _find(name: str):
-    return _real_find_spec(name)
+    assert all("\n" not in p for p in plan.fatal)
 
 
 # ---- HF_MODEL: ModelArgs refuses to build without it -----------------------------------------

@@ -123,7 +123,7 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
 def _flag_problems(args: argparse.Namespace) -> list[str]:
     problems = []
     if args.num_threads < 0:
-        problems.append(f"--num-threads must be 0 (torch's default) or a positive count, got {args.num_threads}")
+        problems.append(f"--num-threads must be 0 (one per core the worker may run on) or a positive count, got {args.num_threads}")
     if args.block_size < 1 or args.kv_cache_memory_bytes < 1:
         problems.append("--block-size and --kv-cache-memory-bytes must be positive")
     if not 0 <= args.metrics_port <= 65535:

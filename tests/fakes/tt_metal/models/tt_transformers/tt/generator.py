@@ -15,8 +15,3 @@ TTNN = FakeTtnn()  # the ttnn these classes run on; TtnnBackend(..., ttnn=TTNN) 
 
 class Generator(ModelCapabilitiesMixin, make_model_class(TTNN)):
     model_capabilities = {"supports_prefix_caching": True}
-
-
-def is_wormhole_b0() -> bool:
-    """models.common.utility_functions.is_wormhole_b0: the fake mesh is Wormhole."""
-    return True

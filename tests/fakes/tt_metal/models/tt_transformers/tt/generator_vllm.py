@@ -15,7 +15,8 @@ from typing import Any
 
 from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: F401 - imported at the top, as the real module does
 
-from models.tt_transformers.tt.generator import Generator, is_wormhole_b0
+from models.common.utility_functions import is_wormhole_b0
+from models.tt_transformers.tt.generator import Generator
 from models.tt_transformers.tt.model_config import ModelArgs
 
 _CAPS = {"supports_prefix_caching": True, "supports_async_decode": True, "supports_sample_on_device": True}
