@@ -3,6 +3,7 @@ reason that names it, only its request is dropped, and nothing is clamped."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -11,7 +12,14 @@ from ttserve.worker.step_check import Limits, check_batch
 
 LIMITS = Limits(num_lanes=2, max_num_seqs=4, num_blocks_per_lane=16, block_size=4, max_model_len=32,
                 page_table_width=8, vocab_size=100)
-LIVE = {"old": (1, 2, 0)}   # row 1, two blocks, prompt in
+@dataclass
+class Held:
+    row: int
+    block_ids: list[int]
+    prefix: list[int] = field(default_factory=list)
+
+
+LIVE = {"old": Held(1, [5, 6])}   # row 1, two blocks, prompt in
 
 
 def new(rid: str, row: int, lane: int = 0, **sampling) -> NewRequest:
@@ -49,7 +57,7 @@ def test_a_bad_item_is_refused_alone_with_its_reason(bad_new, bad_item, reason):
 
 def test_decode_items_are_checked_against_the_blocks_they_hold():
     batch = StepBatch(2, "decode", decode=[DecodeItem("old", 5, 7, []), DecodeItem("old2", 5, 8, [])])
-    kept, refused = check_batch(batch, LIMITS, {**LIVE, "old2": (2, 2, 0)})
+    kept, refused = check_batch(batch, LIMITS, {**LIVE, "old2": Held(2, [7, 8])})
     assert refused == {"old2": "decode position 8, but its blocks cover 8 tokens"}
     assert [d.request_id for d in kept.decode] == ["old"]
     _, refused = check_batch(StepBatch(3, "decode", decode=[DecodeItem("old", 5, 7, []), DecodeItem("old", 5, 7, [])]),

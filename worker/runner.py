@@ -302,8 +302,7 @@ class ModelRunner:
             raise StepError("step received before warmup")
         started = time.perf_counter()
         received = started if received is None else received
-        batch, refused = check_batch(batch, self._limits, {
-            rid: (s.row, len(s.block_ids), len(s.prefix)) for rid, s in self._requests.items()})
+        batch, refused = check_batch(batch, self._limits, self._requests)
         for request_id, problem in refused.items():
             log.warning("step %d: refused request %s: %s", batch.step_id, request_id, problem)
             self._requests.pop(request_id, None)

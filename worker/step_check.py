@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Mapping, Protocol
 
 from .batch import DecodeItem, NewRequest, PrefillChunk, StepBatch
 
@@ -24,12 +24,18 @@ class Limits:
     vocab_size: int
 
 
-def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, tuple[int, int, int]]
-                ) -> tuple[StepBatch, dict[str, str]]:
+class Held(Protocol):
+    """What the worker holds of a request (the runner's RequestState)."""
+    row: int
+    block_ids: list[int]
+    prefix: list[int]        # its prompt tokens, while its prefill runs
+
+
+def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> tuple[StepBatch, dict[str, str]]:
     """The batch without its bad items, and why each refused request was refused.
 
-    `live`: request id -> (row, blocks held, prompt tokens held) of the requests the worker holds
-    state for.
+    `live`: the requests the worker holds state for. Runs every step: nothing is built per live
+    request unless the step adds requests (their rows are checked against the live ones).
     """
     refused: dict[str, str] = {}
 
@@ -37,34 +43,39 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, tuple[int, 
         refused.setdefault(request_id, problem)
 
     released = set(batch.released_ids)
-    rows = {row: rid for rid, (row, _, _) in live.items() if rid not in released}
-    blocks = {rid: held for rid, (_, held, _) in live.items() if rid not in released}
-    prefix = {rid: tokens for rid, (_, _, tokens) in live.items() if rid not in released}
-    for new in batch.new_requests:
-        problem = _new_request_problem(new, limits, rows)
-        if problem:
-            refuse(new.request_id, problem)
-            continue
-        rows[new.row] = new.request_id
-        blocks[new.request_id] = prefix[new.request_id] = 0
+    # (blocks held, prompt tokens held) of the requests this step has touched so far.
+    held: dict[str, tuple[int, int]] = {}
+    if batch.new_requests:
+        rows = {state.row: rid for rid, state in live.items() if rid not in released}
+        for new in batch.new_requests:
+            problem = _new_request_problem(new, limits, rows)
+            if problem:
+                refuse(new.request_id, problem)
+                continue
+            rows[new.row] = new.request_id
+            held[new.request_id] = (0, 0)
     seen: set[str] = set()
     for item in (*batch.prefill, *batch.decode):
         rid = item.request_id
         if rid in seen:
             refuse(rid, "appears twice in one step")
         seen.add(rid)
-        if rid not in blocks and rid not in refused:
-            refuse(rid, "has no device state on this worker (never added in this step stream, or released)")
+        if rid not in held and rid not in refused:
+            state = live.get(rid) if rid not in released else None
+            if state is None:
+                refuse(rid, "has no device state on this worker (never added in this step stream, or released)")
+            else:
+                held[rid] = (len(state.block_ids), len(state.prefix))
     for item in (*batch.prefill, *batch.decode):
         if item.request_id in refused:
             continue
-        problem = _item_problem(item, limits, blocks[item.request_id], prefix[item.request_id])
+        blocks, prompt = held[item.request_id]
+        problem = _item_problem(item, limits, blocks, prompt)
         if problem:
             refuse(item.request_id, problem)
         else:
-            blocks[item.request_id] += len(item.new_block_ids)
-            if isinstance(item, PrefillChunk):
-                prefix[item.request_id] = item.start_pos + len(item.token_ids)
+            end = item.start_pos + len(item.token_ids) if isinstance(item, PrefillChunk) else prompt
+            held[item.request_id] = (blocks + len(item.new_block_ids), end)
     if not refused:
         return batch, refused
     return replace(batch,
