@@ -8,7 +8,9 @@ that asked. The runner decides per batch which path a batch takes (DESIGN.md §3
 
 Reproducibility rule: a request with a seed owns a `torch.Generator` that persists across its
 steps, and every step draws exactly one exponential per vocabulary entry from it, whatever the
-other rows of the batch are. So a seeded request yields the same tokens alone or in any batch.
+other rows of the batch are. So a seeded request yields the same tokens alone or in any batch,
+and one that resumes elsewhere (preempted, or migrated off a lost worker) replays its draws
+(`seeded_generator`) and goes on with the tokens an uninterrupted run gives.
 """
 from __future__ import annotations
 
@@ -79,6 +81,25 @@ def _as_tensor(values: Sequence[float] | torch.Tensor, dtype: torch.dtype) -> to
     return torch.tensor(list(values), dtype=dtype)
 
 
+def draws(temperature: float, top_k: int) -> bool:
+    """Whether a row with these values draws from its generator when it samples (else greedy)."""
+    return temperature > 0 and top_k != 1
+
+
+def _race(generator: torch.Generator, vocab: int) -> torch.Tensor:
+    return torch.empty(vocab, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+
+def seeded_generator(seed: int, device: torch.device, vocab: int, replay: int = 0) -> torch.Generator:
+    """A request's generator, past the draws of the `replay` tokens it sampled before it resumed
+    here (each sampled token costs one draw of `vocab` exponentials)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    for _ in range(replay):
+        _race(generator, vocab)
+    return generator
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Samples one token per row of `logits` [B, V]; returns [B] int64 on the logits' device.
 
@@ -97,7 +118,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
     temperature = _as_tensor(batch.temperature, torch.float32)
     top_k = _as_tensor(batch.top_k, torch.int64)
-    # top_k == 1 keeps only the argmax, whatever the temperature: greedy without drawing.
+    # top_k == 1 keeps only the argmax, whatever the temperature: greedy without drawing (`draws`).
     greedy = (temperature <= 0) | (top_k == 1)
     if bool(greedy.all()):
         out[:n] = logits[:n].argmax(dim=-1)
@@ -124,8 +145,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     for j, row in enumerate(sampled_rows.tolist()):
         gen = batch.generators[row]
         if gen is not None:
-            draw = torch.empty(vocab, dtype=torch.float32, device=gen.device)
-            race[j] = draw.exponential_(generator=gen).to(probs.device)
+            race[j] = _race(gen, vocab).to(probs.device)
     # A zero draw would turn 0/0 into NaN for a filtered-out token; keep draws positive.
     race.clamp_(min=torch.finfo(race.dtype).tiny)
     out[idx] = (probs / race).argmax(dim=-1)
