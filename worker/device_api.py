@@ -93,7 +93,9 @@ class TorchDevice:
     def sampling_params(self, batch: SamplingBatch, seeds: list[int | None]) -> Any:
         return batch
 
-    def prefill(self, model: Any, **kwargs: Any) -> Any:
+    def prefill(self, model: Any, rope_deltas: bool = False, **kwargs: Any) -> Any:
+        """The model's prefill output; with rope_deltas (an mRoPE model), (output, rope_deltas),
+        as such a model returns them."""
         return model.prefill_forward(**kwargs, enable_trace=self.traced("prefill"))
 
     def launch_decode(self, model: Any, sampling_params: Any, *, tokens: torch.Tensor, previous: Any = None,
@@ -245,10 +247,13 @@ class TtnnDevice:
                               top_p=[0.0 if k == 1 else float(p) for k, p in zip(top_k, batch.top_p)],
                               seed=list(seeds))
 
-    def prefill(self, model: Any, **kwargs: Any) -> Any:
+    def prefill(self, model: Any, rope_deltas: bool = False, **kwargs: Any) -> Any:
         self._next_positions = self._active = self._page_table = None
-        out = self.backend.prefill(model, **kwargs)
-        return out.reshape(-1) if kwargs.get("sampling_params") is not None else out
+        out = self.backend.prefill(model, rope_deltas=rope_deltas, **kwargs)
+        out, deltas = out if rope_deltas else (out, None)
+        if kwargs.get("sampling_params") is not None:
+            out = out.reshape(-1)
+        return (out, deltas) if rope_deltas else out
 
     def launch_decode(self, model: Any, sampling_params: Any, *, tokens: torch.Tensor, start_pos: torch.Tensor,
                       page_table: torch.Tensor, previous: Any = None, carried_rows: Sequence[int] = (),

@@ -190,6 +190,10 @@ class _Step:
     lanes: list[tuple[int, torch.Tensor | None]]  # (lane, rows of the batch; None = all)
     block_table: torch.Tensor   # [B, T // block_size] block ids, 0 where the row needs none
     writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # lane -> (flat, blk, off)
+    # Vision models (qwen2_5_vl.py): input embeddings [B, S, hidden] with the images' merged in
+    # (None: embed `tokens`), and mRoPE positions [3, B, S] (None: `positions` on every axis).
+    embeds: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
 
 
 class TorchLlamaForCausalLM:
@@ -309,6 +313,17 @@ class TorchLlamaForCausalLM:
         (model_id_warmup, warmup_prefill, ...) carry nothing here and are accepted and ignored.
         """
         del enable_trace  # eager torch: every shape runs as it comes
+        step = self._prefill_step(tokens, page_table, kv_cache, prompt_lens, start_pos, empty_slots)
+        logits = self._forward(step, kv_cache)
+        if sampling_params is not None:
+            return sample(logits, sampling_params)
+        return logits.unsqueeze(1)
+
+    def _prefill_step(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache,
+                      prompt_lens: Sequence[int] | torch.Tensor,
+                      start_pos: Sequence[int] | torch.Tensor | None,
+                      empty_slots: Sequence[int] | None) -> _Step:
+        """The checked index plan of a prefill call (prefill_forward's arguments)."""
         batch = tokens.shape[0]
         end = _long(prompt_lens, batch)
         start = torch.zeros(batch, dtype=torch.long) if start_pos is None else _long(start_pos, batch)
@@ -325,12 +340,8 @@ class TorchLlamaForCausalLM:
                 "tokens[i, start_pos[i]:prompt_lens[i]])")
         chunk = max(int((end - start).max()), 1)
         cols = (start[:, None] + torch.arange(chunk)).clamp(max=tokens.shape[1] - 1)
-        step = self._plan(tokens.cpu().long().gather(1, cols), start, end, page_table,
+        return self._plan(tokens.cpu().long().gather(1, cols), start, end, page_table,
                           [s // self.max_batch_size for s in slots], kv_cache)
-        logits = self._forward(step, kv_cache)
-        if sampling_params is not None:
-            return sample(logits, sampling_params)
-        return logits.unsqueeze(1)
 
     @torch.inference_mode()
     def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor,
@@ -357,7 +368,7 @@ class TorchLlamaForCausalLM:
             start = pos[live]
             step = self._plan(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
                               page_table.cpu()[live], [int(r) // self.max_batch_size for r in live],
-                              kv_cache)
+                              kv_cache, rope_offset=self._decode_rope_offset(live))
             logits = self._forward(step, kv_cache)
         live_dev = live.to(logits.device)
         if sampling_params is not None:
@@ -455,9 +466,16 @@ class TorchLlamaForCausalLM:
                      last=torch.zeros(rows, dtype=torch.long, device=dev), masks=masks, lanes=lanes,
                      block_table=table, writes=writes)
 
+    def _decode_rope_offset(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """What decode rows [n] add to their position for RoPE (mRoPE models: the request's rope
+        delta); None: nothing."""
+        return None
+
     def _plan(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Step:
-        """Builds the index plan: rows [B] compute chunk_tokens [B, S] at positions start..end."""
+              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache,
+              rope_offset: torch.Tensor | None = None) -> _Step:
+        """Builds the index plan: rows [B] compute chunk_tokens [B, S] at positions start..end
+        (rotated at those positions plus `rope_offset` [B], when given)."""
         batch, width = chunk_tokens.shape
         cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
         if batch and int(end.max()) > self.max_seq_len:
@@ -498,7 +516,8 @@ class TorchLlamaForCausalLM:
         dev = self.device
         return _Step(
             tokens=chunk_tokens.to(dev),
-            positions=positions.clamp(max=self.max_seq_len - 1).to(dev),
+            positions=(positions if rope_offset is None else positions + rope_offset.cpu().long()[:, None])
+            .clamp(0, self.max_seq_len - 1).to(dev),
             last=(end - start - 1).clamp(min=0).to(dev),
             masks={k: _additive(v.to(dev), self.dtype) for k, v in masks.items()},
             lanes=lanes,
@@ -509,14 +528,17 @@ class TorchLlamaForCausalLM:
     def _forward(self, step: _Step, kv_cache: KVCache) -> torch.Tensor:
         """Runs every layer; returns float32 logits [B, vocab] of each row's last real token."""
         eps = self.shape.rms_norm_eps
-        x = F.embedding(step.tokens, self.embed)
-        cos = self._cos[step.positions].unsqueeze(2)  # [B, S, 1, head_dim]
-        sin = self._sin[step.positions].unsqueeze(2)
+        x = F.embedding(step.tokens, self.embed) if step.embeds is None else step.embeds
+        cos, sin = self._rope(step)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer, _rms_norm(x, layer.input_norm, eps), cos, sin, step, kv_cache, i)
             x = x + layer.mlp(_rms_norm(x, layer.post_norm, eps))
         last = x[torch.arange(x.shape[0], device=x.device), step.last]
         return self.lm_head(_rms_norm(last, self.final_norm, eps)).float()
+
+    def _rope(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, S, 1, head_dim] of the step's positions (sin sign-folded, see __init__)."""
+        return self._cos[step.positions].unsqueeze(2), self._sin[step.positions].unsqueeze(2)
 
     def _attention(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    step: _Step, kv_cache: KVCache, index: int) -> torch.Tensor:
