@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ttserve.v1 import engine_pb2
 
+from . import images
 from .admission import AdmissionError, Limits, check_request
 from .grammar import Grammar, GrammarCompiler, GrammarError
 from .metrics import ControlMetrics
@@ -68,7 +69,9 @@ class Engine:
     @property
     def limits(self) -> Limits | None:
         s = self.serving
-        return Limits(max_model_len=s.max_model_len, vocab_size=s.vocab_size) if s else None
+        return Limits(max_model_len=s.max_model_len, vocab_size=s.vocab_size, supports_images=s.supports_images,
+                      max_image_blocks=images.max_blocks(s.chunk_limit, s.block_size) if s.chunk_limit else 0,
+                      block_size=s.block_size) if s else None
 
     # ---- client sessions -----------------------------------------------------------------
     def open_session(self) -> tuple[int, asyncio.Queue[engine_pb2.ServerMessage | None]]:
@@ -216,7 +219,13 @@ class Engine:
                                                        "cache holds %d tokens", max_model_len, lane_capacity,
                                                        lane_capacity)
                 max_model_len = lane_capacity
-            self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len, d.block_size)
+            chunk_limit = 0
+            if d.supports_chunked_prefill:
+                chunk_limit = max(self.config.max_num_batched_tokens, d.block_size)
+                if d.prefill_buckets:
+                    chunk_limit = min(chunk_limit, max(d.prefill_buckets))
+            self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len, d.block_size,
+                                         d.supports_images, chunk_limit)
             self.grammars = GrammarCompiler(self.config.tokenizer or d.model_path, d.vocab_size,
                                             d.eos_token_ids)
             return self.serving
