@@ -94,6 +94,7 @@ class WorkerDescription:
     mrope: bool = False
     async_decode: bool = False
     supports_images: bool = False
+    dtype: str = ""
     num_blocks_per_lane: int = 0
     block_size: int = 0
     prefill_buckets: list[int] = field(default_factory=list)
@@ -109,7 +110,7 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         supports_prefix_caching=d.capabilities.supports_prefix_caching,
         single_execute_lanes=d.capabilities.single_execute_lanes,
         mixture_of_experts=d.mixture_of_experts, mrope=d.mrope, async_decode=d.async_decode,
-        supports_images=d.supports_images,
+        supports_images=d.supports_images, dtype=d.dtype,
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
         prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size)
 

@@ -102,7 +102,7 @@ def _qwen2_5_vl_class() -> type:
             return self.ctx.get_hf_processor(ImagesOnlyQwen2_5_VLProcessor, **kwargs)
 
         def get_supported_mm_limits(self):
-            return {"image": None, "video": 0}
+            return {"image": None}  # images only, as tt-metal's processing info (no video)
 
     @MULTIMODAL_REGISTRY.register_processor(qwen2_5_vl.Qwen2_5_VLMultiModalProcessor,
                                             info=ImagesOnlyProcessingInfo,

@@ -89,7 +89,8 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 single_execute_lanes=r.lanes_in_process),
             eos_token_ids=r.eos_token_ids, ready=r.config is not None, async_decode=r.async_decode,
             mixture_of_experts=r.is_mixture_of_experts, mrope=r.uses_mrope,
-            supports_images=r.supports_images, image_token_id=r.image_token_id if r.supports_images else 0)
+            supports_images=r.supports_images, image_token_id=r.image_token_id if r.supports_images else 0,
+            dtype=str(r.dtype).removeprefix("torch."))
         if r.config is not None and r.layout is not None:
             d.config.CopyFrom(config_to_pb(r.config))
             d.num_blocks_per_lane = r.layout.num_blocks_per_lane
