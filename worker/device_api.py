@@ -180,11 +180,12 @@ class TtnnDevice:
     def check(self, model_cls: type, model_path: Path, config: ServingConfig) -> None:
         """Refuses (ValueError, before any weight loads) a serving configuration the class would
         assert on, and a checkpoint variable that names other weights."""
-        from .tt_models import capability_problem, checkpoint_environment, data_parallel_problem
+        from .tt_models import capability_problem, checkpoint_environment, data_parallel_problem, image_input_problem
         family = self.family(model_cls)
         problem = (data_parallel_problem(family, config.num_lanes, config.max_num_seqs, self.backend.spec)
                    or checkpoint_environment(family, model_path, self.env).problem
-                   or capability_problem(model_cls.__name__, getattr(model_cls, "model_capabilities", None) or {}))
+                   or capability_problem(model_cls.__name__, getattr(model_cls, "model_capabilities", None) or {})
+                   or image_input_problem(model_cls.__name__))
         if problem:
             raise ValueError(problem)
 

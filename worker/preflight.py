@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .mesh import PRESETS, MeshError, MeshSpec, fabric_for, mesh_from_env, resolve_mesh
-from .tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment,
+from .tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment, image_input_problem,
                         data_parallel_problem, device_top_k, folds_dp_into_lanes, kv_budget, optimizations_problem, tt_data_parallel)
 
 # resolve_mesh's device count for a plan made without chips: any named mesh fits.
@@ -206,7 +206,7 @@ def _plan_ttnn(plan: WorkerPlan, env: Mapping[str, str], serving: Serving | None
     plan.say("model", f"{plan.model_path} ({plan.architecture}) -> {entry.name}{which}: {entry.target_name}")
     _plan_mesh(plan, env)
     plan.lanes_in_process = folds_dp_into_lanes(family, env)
-    for problem in (optimizations_problem(family, plan.options),):
+    for problem in (optimizations_problem(family, plan.options), image_input_problem(family.class_name)):
         if problem:
             plan.refuse(problem)
     plan.environment = checkpoint_environment(family, plan.model_path, env)

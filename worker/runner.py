@@ -248,6 +248,14 @@ class ModelRunner:
         self.config = config
 
     @property
+    def max_prefill_batch_size(self) -> int:
+        """Rows of one prefill step: one for a class that cannot mix text-only and image users
+        in a prefill (tt_models.one_prefill_user), else a lane's rows."""
+        from .tt_models import one_prefill_user
+        assert self.config is not None
+        return 1 if self.supports_images and one_prefill_user(self.model_cls.__name__) else self.config.max_num_seqs
+
+    @property
     def prefill_buckets(self) -> list[int]:
         """Prefill lengths with a captured trace (empty: any length runs, eagerly)."""
         return sorted(getattr(self.model, "traced_prefill", ()) or ())
@@ -391,8 +399,10 @@ class ModelRunner:
         # request draws the same random numbers however its prompt was chunked.
         sampling = _sampling_batch([s if c.sample else None for s, c in zip(states, chunks)],
                                    [c.token_bitmask if c.sample else None for c in chunks])
-        on_device = self._samples_on_device("prefill", states, all(c.sample for c in chunks),
-                                            any(c.token_bitmask for c in chunks))
+        # A vision model's prefill samples on the host: tt-metal's vision classes drop
+        # sampling_params in prefill and return logits (qwen25_vl/qwen3_vl generator_vllm.py).
+        on_device = not self.supports_images and self._samples_on_device(
+            "prefill", states, all(c.sample for c in chunks), any(c.token_bitmask for c in chunks))
         out = self.device_api.prefill(
             self.model, tokens=tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
             prompt_lens=torch.tensor([c.start_pos + len(c.token_ids) for c in chunks]),

@@ -97,7 +97,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             d.block_size = r.layout.block_size
             d.decode_batch_size = r.config.max_num_seqs
             d.prefill_buckets.extend(r.prefill_buckets)  # empty: any length runs (eagerly)
-            d.max_prefill_batch_size = r.config.max_num_seqs
+            d.max_prefill_batch_size = r.max_prefill_batch_size
         return d
 
     def _log_summary(self, warmup_s: float) -> None:
