@@ -17,7 +17,7 @@ from .metrics import ControlMetrics
 from .engine_config import EngineConfig, ServingLimits
 from .placement import choose_lane
 from .request import FinishReason, Request
-from .wire import WorkerDescription, admission_pb, output_to_pb, request_from_pb
+from .wire import WorkerDescription, admission_pb, mm_inputs_problem, output_to_pb, request_from_pb
 from .worker_group import IncompatibleWorker, WorkerGroup, WorkerLost
 from .worker_link import WorkerError
 
@@ -115,6 +115,9 @@ class Engine:
             if request.request_id in self.requests:
                 raise AdmissionError(f"request id {request.request_id!r} is already in use")
             check_request(request, unsupported, limits)
+            problem = mm_inputs_problem(add) if add.mm_inputs else None
+            if problem:
+                raise AdmissionError(f"invalid image inputs: {problem}")
         except AdmissionError as e:
             self.metrics.refused.labels("invalid").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_INVALID_ARGUMENT, str(e)))

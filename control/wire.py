@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ttserve.tensor_wire import tensor_problem
 from ttserve.v1 import device_pb2, engine_pb2
 
 from .grammar import GrammarSpec
@@ -41,6 +42,16 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
     if any(m.modality != "image" for m in add.mm_inputs):
         unsupported.append("multimodal inputs other than images")
     return request, unsupported
+
+
+def mm_inputs_problem(add: engine_pb2.AddRequest) -> str | None:
+    """Why the request's image tensors are malformed (the worker would fail its step on them)."""
+    for i, m in enumerate(add.mm_inputs):
+        for name, tensor in m.data.items():
+            problem = tensor_problem(tensor)
+            if problem:
+                return f"image {i}'s {name}: {problem}"
+    return None
 
 
 def _grammar_spec(add: engine_pb2.AddRequest) -> GrammarSpec | None:

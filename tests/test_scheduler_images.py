@@ -152,3 +152,11 @@ def test_admission_refuses_images_for_a_text_model_and_images_too_large_for_a_ch
                                            max_image_blocks=2, block_size=4))
     with pytest.raises(AdmissionError, match="past the prompt"):
         check_request(bad, [], Limits(max_model_len=64, vocab_size=128, supports_images=True))
+
+
+def test_malformed_image_tensors_are_named_at_admission():
+    from ttserve.control.wire import mm_inputs_problem
+    mm = multimodal_pb2.MultiModalInput(modality="image", hash="h", offset=0, length=1)
+    mm.data["pixel_values"].CopyFrom(multimodal_pb2.Tensor(dtype="float32", shape=[2, 3], data=b"short"))
+    add = engine_pb2.AddRequest(request_id="a", prompt_token_ids=[IMAGE_TOKEN], mm_inputs=[mm])
+    assert "image 0's pixel_values: a float32 tensor of shape [2, 3] needs 24 bytes, got 5" == mm_inputs_problem(add)

@@ -14,12 +14,29 @@ from ttserve.v1 import multimodal_pb2
 if TYPE_CHECKING:
     import torch
 
-# The dtypes a processor's outputs come in; anything else is refused by name.
-DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "uint8", "bool")
+# The dtypes a processor's outputs come in, with their element sizes; anything else is refused.
+ELEMENT_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+                 "uint8": 1, "bool": 1}
+DTYPES = tuple(ELEMENT_SIZES)
 
 
 class TensorError(ValueError):
     """A tensor message that does not describe a tensor (unknown dtype, wrong byte count)."""
+
+
+def tensor_problem(message: multimodal_pb2.Tensor) -> str | None:
+    """Why `message` is not a tensor (checked without torch, so the control plane can refuse a
+    malformed request at admission instead of failing a worker's step), or None."""
+    size = ELEMENT_SIZES.get(message.dtype)
+    if size is None:
+        return f"unknown tensor dtype {message.dtype!r} (supported: {', '.join(DTYPES)})"
+    count = 1
+    for d in message.shape:
+        count *= d
+    if len(message.data) != count * size:
+        return (f"a {message.dtype} tensor of shape {list(message.shape)} needs {count * size} bytes, "
+                f"got {len(message.data)}")
+    return None
 
 
 def tensor_to_pb(tensor: torch.Tensor) -> multimodal_pb2.Tensor:
@@ -39,18 +56,12 @@ def tensor_to_pb(tensor: torch.Tensor) -> multimodal_pb2.Tensor:
 def tensor_from_pb(message: multimodal_pb2.Tensor) -> torch.Tensor:
     import torch
 
-    if message.dtype not in DTYPES:
-        raise TensorError(f"unknown tensor dtype {message.dtype!r} (supported: {', '.join(DTYPES)})")
+    problem = tensor_problem(message)
+    if problem:
+        raise TensorError(problem)
     dtype = getattr(torch, message.dtype)
     shape = tuple(int(d) for d in message.shape)
-    count = 1
-    for d in shape:
-        count *= d
-    size = torch.empty((), dtype=dtype).element_size()
-    if len(message.data) != count * size:
-        raise TensorError(f"a {message.dtype} tensor of shape {list(shape)} needs {count * size} bytes, "
-                          f"got {len(message.data)}")
-    if count == 0:
+    if not message.data:
         return torch.empty(shape, dtype=dtype)
     # bytearray: a writable copy (frombuffer over the message's immutable bytes would warn).
     return torch.frombuffer(bytearray(message.data), dtype=dtype).reshape(shape)
