@@ -149,6 +149,15 @@ def test_an_undecodable_image_is_a_clear_400(client, model_name):
                                        max_tokens=4)
 
 
+def test_http_image_urls_are_refused_unless_the_operator_allows_their_host(client, model_name):
+    content = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}},
+               {"type": "text", "text": "What is it?"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
+                                       max_tokens=4)
+    assert "allowed domains" in str(e.value) and "allowed-media-domains" in str(e.value)
+
+
 def test_too_many_images_is_a_clear_400(client, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, model_name, [make_image(56, 56, i) for i in range(4)] + ["Four images."])

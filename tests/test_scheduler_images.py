@@ -160,3 +160,15 @@ def test_malformed_image_tensors_are_named_at_admission():
     mm.data["pixel_values"].CopyFrom(multimodal_pb2.Tensor(dtype="float32", shape=[2, 3], data=b"short"))
     add = engine_pb2.AddRequest(request_id="a", prompt_token_ids=[IMAGE_TOKEN], mm_inputs=[mm])
     assert "image 0's pixel_values: a float32 tensor of shape [2, 3] needs 24 bytes, got 5" == mm_inputs_problem(add)
+
+
+def test_a_migrated_request_sends_its_images_to_its_new_worker():
+    s = scheduler(budget=32, block_size=4, max_model_len=64)
+    r = with_images("a", [(2, 5)], tail=2, max_tokens=5)
+    s.add(r)
+    assert run_step(s).prefill[0].images == r.images and r.num_sent_images == 1
+    s.lane.running.remove(r)  # its worker is lost: the engine takes it back ...
+    other = scheduler(budget=32, block_size=4, max_model_len=64)
+    other.lane.adopt(r)       # ... and another worker's lane adopts it
+    assert r.num_sent_images == 0
+    assert run_step(other).prefill[0].images == r.images

@@ -67,13 +67,14 @@ def test_qwen2_5_vl_gets_each_users_images_and_its_rope_deltas_back_by_row(tt_me
                               sample_on_device_mode="all")
     with_image = [5, 6, IMAGE, IMAGE, IMAGE, IMAGE, 7, 8, IMAGE, IMAGE, IMAGE, IMAGE, 9]
     images = [image(2), image(8)]
+    pixels = [img.data["pixel_values"] for img in images]
     result = runner.execute(StepBatch(1, "prefill", new_requests=[greedy("text", 0), greedy("pic", 1)], prefill=[
         PrefillChunk("text", [5, 6, 7], 0, [3], True),
         PrefillChunk("pic", with_image, 0, [4], True, images=images)]))
     assert set(result.tokens) == {"text", "pic"} and not result.refused
     [call] = ttnn.recorder.only("model.vision_prefill")
     assert call["pixel_values"][0] is None and call["image_grid_thw"][0] is None
-    assert [pv is img.data["pixel_values"] for pv, img in zip(call["pixel_values"][1], images)] == [True, True]
+    assert [pv is sent for pv, sent in zip(call["pixel_values"][1], pixels)] == [True, True]
     assert [g.tolist() for g in call["image_grid_thw"][1]] == [[1, 4, 4]] * 2
     # Each (1, 4, 4) image: 4 tokens over max(2, 2) = 2 positions, so the row's delta is -4.
     assert call["rope_deltas"] == [0, -4]
@@ -130,3 +131,11 @@ def test_cross_attention_vision_classes_are_refused_before_the_device_opens(tt_m
     plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(folder)), {"HF_MODEL": str(folder)},
                        probe=lambda: chips())
     assert any("cross-attention page table" in p and "pixel_values" in p for p in plan.fatal), plan.problems
+
+
+def test_the_worker_keeps_only_the_grid_of_an_image_in_the_kv_cache(tt_metal, tmp_path):
+    runner, _ = runner_for(vision_checkpoint(tmp_path, "Qwen2_5_VLForConditionalGeneration"), QWEN25)
+    runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)], prefill=[
+        PrefillChunk("a", [5, IMAGE, IMAGE, IMAGE, IMAGE, 6], 0, [3], True, images=[image(1)])]))
+    [kept] = runner._requests["a"].images
+    assert set(kept.data) == {"image_grid_thw"} and kept.data["image_grid_thw"].tolist() == [1, 4, 4]

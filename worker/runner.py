@@ -51,7 +51,7 @@ class RequestState:
     host: HostSampling | None = None
     # The images the control plane has sent for this device state, in prompt order: each is
     # sent once (with the chunk that covers it) and kept, since every later chunk's positions
-    # depend on the grids of the images before it.
+    # depend on the grids of the images before it; once computed, only its grid is kept.
     images: list[ImageInput] = field(default_factory=list)
     # mRoPE models: decode position = sequence position + this (the model's prefill says).
     rope_delta: int = 0
@@ -413,6 +413,11 @@ class ModelRunner:
             out, deltas = out
             for state, delta in zip(states, torch.as_tensor(deltas).reshape(-1).tolist()):
                 state.rope_delta = int(delta)
+        for state, chunk in zip(states, chunks):
+            end = chunk.start_pos + len(chunk.token_ids)
+            for image in state.images:  # in the KV cache now: the pixels are not needed again
+                if image.end <= end and "pixel_values" in image.data:
+                    image.data = {k: v for k, v in image.data.items() if k != "pixel_values"}
         logprobs: list[TokenLogprobs | None] = [None] * len(chunks)
         if on_device:
             sampled = out

@@ -181,10 +181,8 @@ class VisionTower:
 class TorchQwen2_5_VLForConditionalGeneration(TorchQwen2ForCausalLM):
     """Qwen2.5-VL: a vision tower feeding Qwen2 with multimodal RoPE."""
 
-    model_capabilities = {
-        **TorchQwen2ForCausalLM.model_capabilities,
-        "supports_images": True,
-    }
+    # Images are known from the checkpoint (its vision_config), not from a capability key.
+    model_capabilities = dict(TorchQwen2ForCausalLM.model_capabilities)
 
     def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int,
