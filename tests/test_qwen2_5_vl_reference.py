@@ -148,3 +148,24 @@ def test_a_chunk_that_splits_an_image_is_refused(model, hf_tiny_vlm):
         model.prefill_forward(torch.tensor([prompt[:first + 2]]), torch.zeros(1, 64, dtype=torch.int32),
                               new_cache(model), prompt_lens=[first + 2], start_pos=[0], empty_slots=[0],
                               pixel_values=[pixels], image_grid_thw=[grids])
+
+
+def test_ttserve_model_prepare_tiny_vlm_builds_the_same_checkpoint_as_the_tests(tmp_path, smollm2, tiny_vlm):
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / smollm2.name).symlink_to(smollm2)  # the tokenizer it reuses, prepared
+    done = subprocess.run([sys.executable, "-m", "ttserve.cli", "model", "prepare", "tiny-vlm",
+                           "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path / "models" / "tiny-vlm-Qwen2.5-VL"
+    assert done.stdout.strip().splitlines()[-1] == str(folder)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert (folder / ".ttserve-prepared").is_file() and (folder / "preprocessor_config.json").is_file()
+
+    def digest(path):
+        return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    assert digest(folder) == digest(tiny_vlm), "same seed, same weights"
