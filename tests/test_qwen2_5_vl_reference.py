@@ -169,3 +169,21 @@ def test_ttserve_model_prepare_tiny_vlm_builds_the_same_checkpoint_as_the_tests(
     def digest(path):
         return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
     assert digest(folder) == digest(tiny_vlm), "same seed, same weights"
+
+
+def test_in_bf16_it_runs_plain_torch_not_the_cpu_kernels(tiny_vlm, hf_tiny_vlm):
+    """The CPU kernels' path (16-bit reference models) embeds tokens and rotates at sequence
+    positions itself; a vision model feeds image embeddings and mRoPE positions, so it keeps the
+    plain cache and forward, and still answers."""
+    config = ModelRunner.read_config(tiny_vlm)
+    bf16 = TorchQwen2_5_VLForConditionalGeneration.initialize_vllm_model(
+        config, torch.device("cpu"), max_batch_size=2, max_seq_len=1024, tt_data_parallel=2,
+        model_path=str(tiny_vlm), dtype=torch.bfloat16)
+    s = bf16.shape
+    kv = bf16.allocate_kv_cache((48, s.num_kv_heads, BLOCK, s.head_dim), torch.bfloat16, s.num_layers)
+    assert bf16.kernel_isa == ""
+    inputs = processed(hf_tiny_vlm[0], CASES["one-image"]())
+    pixels, grids = per_image(inputs)
+    tokens = ours_greedy(bf16, kv, inputs["input_ids"][0].tolist(), [p.to(torch.bfloat16) for p in pixels],
+                         grids, 4)
+    assert len(tokens) == 4 and all(0 <= t < s.vocab_size for t in tokens)

@@ -183,6 +183,7 @@ class TorchQwen2_5_VLForConditionalGeneration(TorchQwen2ForCausalLM):
 
     # Images are known from the checkpoint (its vision_config), not from a capability key.
     model_capabilities = dict(TorchQwen2ForCausalLM.model_capabilities)
+    allows_cpu_kernels = False  # its forward feeds image embeddings and mRoPE positions
 
     def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int,
@@ -228,11 +229,9 @@ class TorchQwen2_5_VLForConditionalGeneration(TorchQwen2ForCausalLM):
         """As TorchLlamaForCausalLM.prefill_forward, with each user's images (see the module
         docstring); returns (logits [B, 1, vocab] or tokens [B], rope_deltas [B])."""
         del enable_trace
-        step = self._prefill_step(tokens, page_table, kv_cache, prompt_lens, start_pos, empty_slots)
+        chunk_tokens, start, end, lanes = self._prefill_inputs(tokens, prompt_lens, start_pos, empty_slots)
+        step = self._plan(chunk_tokens, start, end, page_table, lanes, kv_cache)
         batch = tokens.shape[0]
-        end = torch.as_tensor(prompt_lens).reshape(-1)[:batch].long()
-        start = torch.zeros(batch, dtype=torch.long) if start_pos is None \
-            else torch.as_tensor(start_pos).reshape(-1)[:batch].long()
         width = step.tokens.shape[1]
         embeds = F.embedding(step.tokens, self.embed)
         rope = torch.zeros(3, batch, width, dtype=torch.long)
