@@ -139,3 +139,9 @@ def test_the_worker_keeps_only_the_grid_of_an_image_in_the_kv_cache(tt_metal, tm
         PrefillChunk("a", [5, IMAGE, IMAGE, IMAGE, IMAGE, 6], 0, [3], True, images=[image(1)])]))
     [kept] = runner._requests["a"].images
     assert set(kept.data) == {"image_grid_thw"} and kept.data["image_grid_thw"].tolist() == [1, 4, 4]
+
+
+def test_the_plan_says_a_vision_checkpoint_takes_images(tiny_vlm):
+    from ttserve.worker.preflight import plan_worker
+    plan = plan_worker(worker_args("--backend", "torch", "--model", str(tiny_vlm)), {}, probe=lambda: chips())
+    assert not plan.fatal and any("images" in line and "pixel_values" in line for line in plan.lines), plan.lines

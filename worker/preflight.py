@@ -112,11 +112,17 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
         plan.warn(f"{not_yet}: the model's checks are left to start-up")
         return plan
     import json
-    plan.hf_config = json.loads((plan.model_path / "config.json").read_text())
+    config = json.loads((plan.model_path / "config.json").read_text())
+    # A vision-language checkpoint nests its language model's shape (as the runner reads it).
+    text = config.get("text_config")
+    plan.hf_config = {**config, **text} if isinstance(text, dict) else config
     if plan.backend == "ttnn":
         _plan_ttnn(plan, env, serving)
     else:
         _plan_reference(plan, args, env)
+    if "vision_config" in plan.hf_config and not plan.fatal:
+        plan.say("images", "taken: the gateway runs vLLM's processor for the model; each prefill user gets its "
+                 "pixel_values and image_grid_thw; chunks never split an image")
     return plan
 
 
