@@ -30,7 +30,7 @@ def stack(tmp_path_factory, tiny_vlm) -> Stack:
                     control_flags=("--max-num-seqs", "2", "--data-parallel-size", "2",
                                    "--max-num-batched-tokens", str(BUDGET), "--enable-prefix-caching"),
                     worker_flags=("--dtype", "float32", "--block-size", str(BLOCK)),
-                    gateway_flags=("--limit-images-per-prompt", "3"))
+                    gateway_flags=("--limit-images-per-prompt", "3", "--allowed-media-domains", "127.0.0.1"))
     yield s
     s.stop()
 
@@ -149,13 +149,53 @@ def test_an_undecodable_image_is_a_clear_400(client, model_name):
                                        max_tokens=4)
 
 
+@pytest.fixture
+def image_server():
+    """A loopback HTTP server with one PNG at /cat.png; yields (base url, the image)."""
+    import http.server
+    import threading
+
+    picture = make_image(84, 56, 50)
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    body = buffer.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", picture
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_http_image_url_from_an_allowed_host_is_fetched(client, model_name, hf_tiny_vlm, image_server):
+    base, picture = image_server
+    _, expected = oracle(hf_tiny_vlm, [picture, "What is this?"])
+    content = [{"type": "image_url", "image_url": {"url": f"{base}/cat.png"}}, {"type": "text", "text": "What is this?"}]
+    reply = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
+                                           temperature=0, max_tokens=10,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert reply.choices[0].token_ids == expected
+
+
 def test_http_image_urls_are_refused_unless_the_operator_allows_their_host(client, model_name):
-    content = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}},
+    content = [{"type": "image_url", "image_url": {"url": "http://localhost:9/cat.png"}},
                {"type": "text", "text": "What is it?"}]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
                                        max_tokens=4)
-    assert "allowed domains" in str(e.value) and "allowed-media-domains" in str(e.value)
+    assert "allowed domains" in str(e.value) and "127.0.0.1" in str(e.value)
 
 
 def test_too_many_images_is_a_clear_400(client, model_name):
