@@ -52,7 +52,7 @@ def hf_tiny_vlm(tiny_vlm):
     return processor, model
 
 
-def test_image(width: int, height: int, seed: int):
+def sample_image(width: int, height: int, seed: int):
     """A deterministic RGB image with structure (gradients plus noise), as PNG-ready PIL."""
     import numpy as np
     from PIL import Image

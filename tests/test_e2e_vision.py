@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from conftest import test_image as make_image
+from conftest import sample_image as make_image
 from stack import Stack, start_stack
 
 pytestmark = pytest.mark.e2e

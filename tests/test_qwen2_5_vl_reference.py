@@ -13,7 +13,7 @@ import torch
 from ttserve.worker.models.qwen2_5_vl import TorchQwen2_5_VLForConditionalGeneration
 from ttserve.worker.runner import ModelRunner
 
-from conftest import test_image as make_image
+from conftest import sample_image as make_image
 
 BLOCK = 16
 

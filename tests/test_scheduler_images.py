@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 
 from ttserve.control.admission import AdmissionError, Limits, check_request
 from ttserve.control.images import ImageInput
-from ttserve.control.request import Request, RequestStatus, SamplingParams
-from ttserve.control.step import StepKind
+from ttserve.control.request import Request, SamplingParams
 from ttserve.control.wire import request_from_pb, step_batch_to_pb
 from ttserve.v1 import engine_pb2, multimodal_pb2
 
