@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import images
 from .request import Request, SamplingParams
 
 # Top logprobs per sampled token: vLLM's max_logprobs default (the OpenAI API's limit).
@@ -24,6 +25,9 @@ class AdmissionError(ValueError):
 class Limits:
     max_model_len: int
     vocab_size: int
+    supports_images: bool = False
+    max_image_blocks: int = 0     # blocks one image may span (a prefill chunk holds it); 0 = any
+    block_size: int = 1
 
 
 def check_request(request: Request, unsupported: list[str], limits: Limits) -> None:
@@ -58,9 +62,28 @@ def check_request(request: Request, unsupported: list[str], limits: Limits) -> N
     if top_k < -1:
         raise AdmissionError(f"top_k must be -1 or 0 (off) or a positive count, got {top_k}")
     check_sampling(request.sampling, limits.vocab_size)
+    if request.images:
+        check_request_images(request, limits)
     if unsupported:
         raise AdmissionError(f"{', '.join(unsupported)}: not supported by this ttserve release "
                              "yet; remove it from the request")
+
+
+def check_request_images(request: Request, limits: Limits) -> None:
+    if not limits.supports_images:
+        raise AdmissionError(f"this model does not take images: the request has {len(request.images)}; "
+                             "send text only, or serve a vision model")
+    problem = images.check_images(request.images, request.num_prompt_tokens)
+    if problem:
+        raise AdmissionError(f"invalid image placeholders: {problem}")
+    for first, last, spanned in images.clusters(request.images, limits.block_size):
+        if limits.max_image_blocks and spanned > limits.max_image_blocks:
+            what = f"image {first}" if first == last else f"images {first} to {last} (they share KV blocks)"
+            tokens = request.images[last].end - request.images[first].offset
+            raise AdmissionError(
+                f"{what}: {tokens} placeholder tokens over {spanned} KV blocks of {limits.block_size}, more "
+                f"than one prefill chunk holds ({limits.max_image_blocks} blocks; an image is never "
+                f"split across chunks): send a smaller image, or raise --max-num-batched-tokens")
 
 
 def check_sampling(s: SamplingParams, vocab_size: int) -> None:

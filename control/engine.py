@@ -10,13 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ttserve.v1 import engine_pb2
 
+from . import images
 from .admission import AdmissionError, Limits, check_request
 from .grammar import Grammar, GrammarCompiler, GrammarError
 from .metrics import ControlMetrics
 from .engine_config import EngineConfig, ServingLimits
 from .placement import choose_lane
 from .request import FinishReason, Request
-from .wire import WorkerDescription, admission_pb, output_to_pb, request_from_pb
+from .wire import WorkerDescription, admission_pb, mm_inputs_problem, output_to_pb, request_from_pb
 from .worker_group import IncompatibleWorker, WorkerGroup, WorkerLost
 from .worker_link import WorkerError
 
@@ -68,7 +69,9 @@ class Engine:
     @property
     def limits(self) -> Limits | None:
         s = self.serving
-        return Limits(max_model_len=s.max_model_len, vocab_size=s.vocab_size) if s else None
+        return Limits(max_model_len=s.max_model_len, vocab_size=s.vocab_size, supports_images=s.supports_images,
+                      max_image_blocks=images.max_blocks(s.chunk_limit, s.block_size) if s.chunk_limit else 0,
+                      block_size=s.block_size) if s else None
 
     # ---- client sessions -----------------------------------------------------------------
     def open_session(self) -> tuple[int, asyncio.Queue[engine_pb2.ServerMessage | None]]:
@@ -112,6 +115,9 @@ class Engine:
             if request.request_id in self.requests:
                 raise AdmissionError(f"request id {request.request_id!r} is already in use")
             check_request(request, unsupported, limits)
+            problem = mm_inputs_problem(add) if add.mm_inputs else None
+            if problem:
+                raise AdmissionError(f"invalid image inputs: {problem}")
         except AdmissionError as e:
             self.metrics.refused.labels("invalid").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_INVALID_ARGUMENT, str(e)))
@@ -216,7 +222,13 @@ class Engine:
                                                        "cache holds %d tokens", max_model_len, lane_capacity,
                                                        lane_capacity)
                 max_model_len = lane_capacity
-            self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len, d.block_size)
+            chunk_limit = 0
+            if d.supports_chunked_prefill:
+                chunk_limit = max(self.config.max_num_batched_tokens, d.block_size)
+                if d.prefill_buckets:
+                    chunk_limit = min(chunk_limit, max(d.prefill_buckets))
+            self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len, d.block_size,
+                                         d.supports_images, chunk_limit)
             self.grammars = GrammarCompiler(self.config.tokenizer or d.model_path, d.vocab_size,
                                             d.eos_token_ids)
             return self.serving

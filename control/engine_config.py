@@ -31,3 +31,5 @@ class ServingLimits:
     vocab_size: int
     max_model_len: int
     block_size: int   # one for all: prefix hashes, placement and ModelInfo assume it
+    supports_images: bool = False
+    chunk_limit: int = 0  # longest prefill chunk with chunked prefill; 0: whole prompts

@@ -1,7 +1,9 @@
 """Chained block hashes: a block's identity is its tokens plus everything before it.
 
 hash(block i) = hash((hash(block i-1), tokens of block i)); the chain starts from the cache
-salt, so tenants with different salts never share blocks. Python's 64-bit tuple hash is used:
+salt, so tenants with different salts never share blocks. A block that holds image placeholders
+carries (image hash, offset) pairs after its token ids (images.block_extras): equal placeholder
+tokens of different images hash apart. Python's 64-bit tuple hash is used:
 a collision between two distinct prefixes has probability ~2^-64 per pair, the same trade vLLM's
 default (non-cryptographic) mode makes.
 """

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
 
+from .images import ImageInput, block_extras
 from .prefix_hash import chain_hashes
 
 __all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams", "TokenLogprobs"]
@@ -94,6 +95,10 @@ class Request:
     # The grammar has consumed exactly output_token_ids; every sampled token is masked by it.
     grammar_spec: GrammarSpec | None = None
     grammar: Grammar | None = None
+    # Images in the prompt, by offset (control/images.py), and how many of them the request's
+    # current device state has received (0 again whenever that state is dropped).
+    images: list[ImageInput] = field(default_factory=list)
+    num_sent_images: int = 0
     num_preemptions: int = 0
     num_migrations: int = 0              # times it moved off a lost worker
     finish_reason: FinishReason | None = None
@@ -153,7 +158,8 @@ class Request:
         known = self.block_hashes
         if len(known) < full:
             known += chain_hashes(known[-1] if known else None, self.cache_salt,
-                                  (self._tokens(i * block_size, (i + 1) * block_size) for i in range(len(known), full)))
+                                  (self._tokens(i * block_size, (i + 1) * block_size)
+                                   + block_extras(self.images, i, block_size) for i in range(len(known), full)))
         return known
 
     def _tokens(self, start: int, end: int) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import logging
 
+from . import images
 from .blocks import BlockPool
 from .request import FinishReason, Request, RequestStatus, TokenLogprobs
 from .step import DecodeWork, PrefillWork, StepKind, StepPlan
@@ -85,6 +86,7 @@ class Scheduler:
         request.block_ids = []
         request.num_published_blocks = 0
         request.num_computed_tokens = 0
+        request.num_sent_images = 0
         request.prefilled = False
         request.slot = None
         self.waiting.appendleft(request)
@@ -209,6 +211,8 @@ class Scheduler:
                 # A running request (a sibling of `n` > 1, or the same prompt just before) is
                 # computing the next blocks now: wait for them to publish and share them.
                 return None
+            if request.images:  # resume outside every image: an image is computed whole
+                hits = hits[:images.usable_hit_blocks(request.images, len(hits), self.pool.block_size)]
         start = len(hits) * self.pool.block_size
         end = self._chunk_end(request, start, budget)
         if end is None:
@@ -230,9 +234,20 @@ class Scheduler:
         if not self.config.chunked_prefill:
             return None
         # Intermediate chunks end on a block boundary, so every chunk starts block-aligned
-        # (device kernels fill whole blocks).
+        # (device kernels fill whole blocks), and outside every image (images.py).
         end = (start + limit) // self.pool.block_size * self.pool.block_size
+        if request.images:
+            end = images.chunk_end(request.images, start, end, self.pool.block_size)
         return end if end > start else None
+
+    @staticmethod
+    def _images_for(request: Request, end: int) -> list[images.ImageInput]:
+        """The images a chunk ending at `end` carries to the worker (each once per device state)."""
+        if not request.images:
+            return []
+        sent = images.unsent(request.images, request.num_sent_images, end)
+        request.num_sent_images += len(sent)
+        return sent
 
     def _fill_prefill(self, plan: StepPlan) -> None:
         budget = self.config.max_num_batched_tokens
@@ -266,7 +281,8 @@ class Scheduler:
             new_ids = self.pool.allocate(new_blocks)
             request.block_ids += new_ids
             plan.prefill.append(PrefillWork(request, start, end, hits + new_ids,
-                                            sample=end == request.num_tokens))
+                                            sample=end == request.num_tokens,
+                                            images=self._images_for(request, end)))
             budget -= end - start
             rows -= 1
 
@@ -297,7 +313,8 @@ class Scheduler:
             return 0
         new_ids = self.pool.allocate(needed)
         request.block_ids += new_ids
-        plan.prefill.append(PrefillWork(request, start, end, new_ids, sample=end == request.num_tokens))
+        plan.prefill.append(PrefillWork(request, start, end, new_ids, sample=end == request.num_tokens,
+                                        images=self._images_for(request, end)))
         return end - start
 
     def _make_room(self, request: Request, needed: int, preempt_self: bool = True) -> bool:
@@ -349,6 +366,7 @@ class Scheduler:
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
         request.num_published_blocks = 0
+        request.num_sent_images = 0  # its device state goes: a resumed request sends them again
         if request.slot is not None:  # it has device state: the worker drops it with the next step
             heapq.heappush(self._free_slots, request.slot)
             request.slot = None

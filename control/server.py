@@ -63,7 +63,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             model_path=first.model_path, architecture=first.architecture,
             max_model_len=engine.serving.max_model_len, vocab_size=first.vocab_size,
             block_size=first.block_size, num_blocks=sum(lane.blocks_total for lane in lanes),
-            max_num_seqs=engine.config.max_num_seqs, num_lanes=len(lanes))
+            max_num_seqs=engine.config.max_num_seqs, num_lanes=len(lanes),
+            supports_images=engine.serving.supports_images, dtype=first.dtype)
 
     async def GetServerInfo(self, request: engine_pb2.ServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> engine_pb2.ServerInfo:

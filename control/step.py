@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .images import ImageInput
 from .request import Request
 
 
@@ -21,6 +22,7 @@ class PrefillWork:
     new_block_ids: list[int]
     sample: bool                # the chunk ends the known tokens: the next token is sampled
     bitmask: bytes = b""        # the request's grammar mask for the sampled token; b"" = none
+    images: list[ImageInput] = field(default_factory=list)  # sent with this chunk (images.unsent)
 
 
 @dataclass(slots=True)

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ttserve.tensor_wire import tensor_problem
 from ttserve.v1 import device_pb2, engine_pb2
 
 from .grammar import GrammarSpec
+from .images import ImageInput
 from .request import FinishReason, Request, SamplingParams, TokenLogprobs
 from .step import StepKind, StepPlan
 
@@ -35,8 +37,21 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
     request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
                       sampling=sampling, client_id=client_id,
                       cache_salt=add.cache_salt,
-                      grammar_spec=_grammar_spec(add))
+                      grammar_spec=_grammar_spec(add),
+                      images=[ImageInput(m.hash, m.offset, m.length, m) for m in add.mm_inputs])
+    if any(m.modality != "image" for m in add.mm_inputs):
+        unsupported.append("multimodal inputs other than images")
     return request, unsupported
+
+
+def mm_inputs_problem(add: engine_pb2.AddRequest) -> str | None:
+    """Why the request's image tensors are malformed (the worker would fail its step on them)."""
+    for i, m in enumerate(add.mm_inputs):
+        for name, tensor in m.data.items():
+            problem = tensor_problem(tensor)
+            if problem:
+                return f"image {i}'s {name}: {problem}"
+    return None
 
 
 def _grammar_spec(add: engine_pb2.AddRequest) -> GrammarSpec | None:
@@ -89,6 +104,8 @@ class WorkerDescription:
     mixture_of_experts: bool = False
     mrope: bool = False
     async_decode: bool = False
+    supports_images: bool = False
+    dtype: str = ""
     num_blocks_per_lane: int = 0
     block_size: int = 0
     prefill_buckets: list[int] = field(default_factory=list)
@@ -104,6 +121,7 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         supports_prefix_caching=d.capabilities.supports_prefix_caching,
         single_execute_lanes=d.capabilities.single_execute_lanes,
         mixture_of_experts=d.mixture_of_experts, mrope=d.mrope, async_decode=d.async_decode,
+        supports_images=d.supports_images, dtype=d.dtype,
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
         prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size)
 
@@ -124,7 +142,8 @@ def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_nu
             cached = all_ids[:work.start] if work.start and id(work.request) in started else []
             batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
                               start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample,
-                              token_bitmask=work.bitmask, cached_token_ids=cached)
+                              token_bitmask=work.bitmask, cached_token_ids=cached,
+                              mm_inputs=[image.payload for image in work.images])
         for work in plan.decode:
             if work.token_id is None:
                 batch.decode.add(request_id=work.request.request_id, use_previous_token=True,

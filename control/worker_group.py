@@ -235,9 +235,8 @@ class WorkerGroup:
         """The topology rules, checked before the worker touches its device."""
         dp = self.config.data_parallel_size
         if d.single_execute_lanes:
-            if d.mrope and dp > 1:
-                raise IncompatibleWorker(f"{d.architecture} uses request-specific RoPE (mRoPE), which lane "
-                                         f"mode cannot serve: --data-parallel-size {dp} must be 1")
+            # mRoPE models run in lanes too (the TT plugin cannot): a request's rope delta is kept
+            # by its row, which is stable while it runs, whatever lane the row is in.
             return dp
         if dp != 1:
             raise IncompatibleWorker(

@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no log line per HTTP request")
+    parser.add_argument("--limit-images-per-prompt", type=int, default=8, metavar="N",
+                        help="vision models: the most images one request may carry (vLLM's "
+                             "--limit-mm-per-prompt image count; videos are not served) (default %(default)d)")
+    parser.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
+                        help="vision models: fetch http(s) image URLs from these hosts only; without "
+                             "it, images come as data URLs and http(s) image URLs are refused")
     parser.add_argument("--vllm-args", default="", metavar="'FLAGS'",
                         help="further `vllm serve` frontend flags, as one quoted string, e.g. "
                              "--vllm-args='--chat-template-content-format openai'")

@@ -2,6 +2,9 @@
 
 Requests: `EngineCoreRequest` (built by vLLM's InputProcessor: prompt token ids, a fully resolved
 SamplingParams with max_tokens filled and the model's EOS merged in) -> `AddRequest`.
+Images: the `mm_features` vLLM's multimodal processor made for the served model (one per image:
+its processed tensors, its placeholder range, its content hash) -> `MultiModalInput`s, tensors
+bit for bit.
 Outputs: `RequestOutput` (one request's delta in a control-plane step) -> `EngineCoreOutput`, with
 the per-request facts the proto does not repeat (prompt length, EOS id) kept in `RequestTrack`.
 """
@@ -22,9 +25,14 @@ from vllm.v1.engine import (EngineCoreEvent, EngineCoreEventType,  # noqa: E402
 from vllm.v1.metrics.stats import PrefillStats  # noqa: E402
 from vllm.v1.outputs import LogprobsLists  # noqa: E402
 
-from ttserve.v1 import engine_pb2  # noqa: E402
+from ttserve.protocol import MESSAGE_LIMITS  # noqa: E402
+from ttserve.tensor_wire import tensor_to_pb  # noqa: E402
+from ttserve.v1 import engine_pb2, multimodal_pb2  # noqa: E402
 
 _UINT64 = 1 << 64
+# An AddRequest must fit the gRPC message limit (both edges use the same one); what is left after
+# the images' tensors is room for the prompt and options.
+MAX_ADD_REQUEST_BYTES = dict(MESSAGE_LIMITS)["grpc.max_send_message_length"] - (1 << 20)
 
 FINISH_REASONS: dict[int, FinishReason | None] = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -45,8 +53,18 @@ def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
     sp = request.sampling_params
     if sp is None:
         return "only text generation is served (pooling/embedding requests are not supported)"
-    if request.mm_features or request.prompt_embeds is not None:
-        return "multimodal inputs and prompt embeddings are not supported by ttserve yet"
+    if request.prompt_embeds is not None:
+        return "prompt embeddings are not supported by ttserve yet"
+    for feature in request.mm_features or ():
+        if feature.modality != "image":
+            return f"{feature.modality} inputs are not supported: ttserve serves images only"
+        if feature.data is None:
+            # vLLM's processor cache would send a repeated image as a reference to the engine's
+            # copy; the gateway runs with --mm-processor-cache-gb 0, so this is a bug.
+            return "an image arrived without its processed data (is --mm-processor-cache-gb set?)"
+        is_embed = feature.mm_position.is_embed
+        if is_embed is not None and not bool(is_embed.all()):
+            return "images whose placeholders are not all embeddings are not supported by ttserve yet"
     if request.lora_request is not None:
         return "LoRA adapters are not supported by ttserve yet"
     unsupported = [name for name, is_set in (
@@ -134,7 +152,36 @@ def to_add_request(request: EngineCoreRequest, disable_any_whitespace: bool = Tr
     spec = structured_output(request, disable_any_whitespace, disable_additional_properties)
     if spec is not None:
         add.structured_output.CopyFrom(spec)
+    add.mm_inputs.extend(mm_inputs(request))
     return add
+
+
+def mm_inputs(request: EngineCoreRequest) -> list[multimodal_pb2.MultiModalInput]:
+    """The request's images (unsupported_by_protocol has checked them), in prompt order."""
+    out = []
+    for feature in sorted(request.mm_features or (), key=lambda f: f.mm_position.offset):
+        item = feature.data
+        assert item is not None
+        message = multimodal_pb2.MultiModalInput(
+            modality=feature.modality, hash=feature.identifier, offset=feature.mm_position.offset,
+            length=feature.mm_position.length)
+        for name, element in item.items():
+            if not hasattr(element.data, "dtype"):
+                raise TypeError(f"the processor's {name} is not one tensor ({type(element.data).__name__})")
+            message.data[name].CopyFrom(tensor_to_pb(element.data))
+        out.append(message)
+    return out
+
+
+def too_large(add: engine_pb2.AddRequest) -> str | None:
+    """Why this AddRequest cannot travel (a message for the user), or None."""
+    size = add.ByteSize()
+    if size <= MAX_ADD_REQUEST_BYTES:
+        return None
+    images = sum(m.ByteSize() for m in add.mm_inputs)
+    return (f"the request takes {size / 2**20:.1f} MiB on the wire ({len(add.mm_inputs)} image(s): "
+            f"{images / 2**20:.1f} MiB), more than the {MAX_ADD_REQUEST_BYTES / 2**20:.0f} MiB a request "
+            "may: send fewer or smaller images")
 
 
 @dataclass(slots=True)

@@ -266,6 +266,9 @@ class GrpcEngineCoreClient(EngineCoreClient):
         if session is None:
             raise self._refused(request_id, ControlPlaneUnavailable(self.unreachable_message))
         message = engine_pb2.ClientMessage(add=convert.to_add_request(request, **self.grammar_options))
+        reason = convert.too_large(message.add)
+        if reason is not None:
+            raise self._refused(request_id, RequestRefused(reason))
         future: asyncio.Future[engine_pb2.Admission] = self._loop.create_future()
         self._verdicts[request_id] = future
         self._tracks[request_id] = convert.RequestTrack.of(request)

@@ -8,6 +8,7 @@ fails within seconds with one line.
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import logging
 import shlex
@@ -131,7 +132,33 @@ def vllm_argv(args: argparse.Namespace, model: str, model_info: engine_pb2.Model
     # and wins.
     argv += ["--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true, '
              '"disable_additional_properties": true}']
+    if model_info.supports_images:
+        argv += vision_argv(args)
+        if model_info.dtype:
+            # vLLM casts the processor's floating outputs (pixel_values) to its model dtype:
+            # the worker's, so the pixels arrive as the model computes them.
+            argv += ["--dtype", model_info.dtype]
     return argv + shlex.split(args.vllm_args or "")
+
+
+# Stands in for "no host": vLLM fetches from any host unless given a list, and names the list
+# in its refusal ("The URL must be from one of the allowed domains: [...]").
+NO_MEDIA_FETCHING = "http-image-urls-are-disabled-see-allowed-media-domains.invalid"
+
+
+def vision_argv(args: argparse.Namespace) -> list[str]:
+    """vLLM's multimodal flags for a vision model behind the control plane.
+
+    Every image must reach the engine with its tensors: vLLM's processor cache would send a
+    repeated image as a reference to an engine-side copy the control plane does not keep, so it
+    is off. vLLM 0.32 can leave rescaling and normalization to the model's device code
+    (mm_device_do_normalize, on by default for Qwen2-VL/2.5-VL): the workers' models (tt-metal's
+    and the torch reference) take pixel_values as transformers' processor gives them, normalized,
+    so the processor does it. Images only, up to --limit-images-per-prompt; http(s) image URLs
+    only from --allowed-media-domains."""
+    limits = json.dumps({"image": args.limit_images_per_prompt})
+    return ["--mm-processor-cache-gb", "0", "--limit-mm-per-prompt", limits, "--no-mm-device-do-normalize",
+            "--allowed-media-domains", *(args.allowed_media_domains or [NO_MEDIA_FETCHING])]
 
 
 def preload_vllm() -> None:
@@ -271,10 +298,11 @@ async def serve(args: argparse.Namespace) -> int:
         model, model_info = await discover(args)
         # No vLLM import may run on this thread before the preload ends (import lock order).
         await asyncio.to_thread(preload.join)
-        from ttserve.gateway import generation_errors, vllm_compat
+        from ttserve.gateway import generation_errors, vision_compat, vllm_compat
 
         vllm_compat.prepare()
         vllm_compat.inspect_models_in_process()
+        vision_compat.register()  # before vLLM reads its model registry (the config)
         generation_errors.install()  # a failed request's reason reaches its HTTP client
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
         vllm_config = build_vllm_config(vllm_args, model_info)

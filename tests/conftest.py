@@ -24,3 +24,42 @@ def hf_smollm2(smollm2):
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     return tokenizer, model
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(smollm2, tmp_path_factory) -> Path:
+    """A tiny random-weight Qwen2.5-VL checkpoint (worker/tiny_vlm.py), built once per session
+    with transformers (config, safetensors, tokenizer and PIL image processor)."""
+    from ttserve.worker.tiny_vlm import build
+    folder = tmp_path_factory.mktemp("tiny-vlm") / "tiny-vlm-Qwen2.5-VL"
+    build(folder, smollm2)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_vlm(tiny_vlm):
+    """transformers' model and processor for tiny_vlm, the oracle: (processor, model) in float32
+    with eager attention. The processor is the gateway's images-only Qwen2.5-VL processor (the
+    PIL image processor), so both sides see the same pixels."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from ttserve.gateway.vision_compat import ImagesOnlyQwen2_5_VLProcessor
+
+    processor = ImagesOnlyQwen2_5_VLProcessor.from_pretrained(tiny_vlm)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tiny_vlm, dtype=torch.float32, attn_implementation="eager").eval()
+    return processor, model
+
+
+def sample_image(width: int, height: int, seed: int):
+    """A deterministic RGB image with structure (gradients plus noise), as PNG-ready PIL."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1),
+                     (x + y) * 127 // max(width + height - 2, 1)], axis=-1)
+    noise = rng.integers(0, 64, size=(height, width, 3))
+    return Image.fromarray(((base + noise) % 256).astype("uint8"), "RGB")

@@ -439,3 +439,15 @@ def test_a_grammar_request_does_not_block_a_plain_request(stack, model_name):
     grammar, plain = asyncio.run(both())
     assert json.loads(grammar.choices[0].message.content)
     assert plain.usage.completion_tokens == 8
+
+
+def test_an_image_for_a_text_only_model_is_a_clear_400(client, model_name):
+    png = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg==")
+    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+               {"type": "text", "text": "What is in this image?"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
+                                       max_tokens=4)
+    assert "is not a multimodal model" in str(e.value)  # vLLM's frontend says so
+    # The server still serves text.
+    assert chat(client, model_name, "What is the capital of France?", max_tokens=8).choices[0].message.content

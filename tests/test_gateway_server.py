@@ -61,3 +61,36 @@ def test_vllm_http_instrumentation_is_dropped_and_ours_is_outermost():
     Instrumentator().instrument(app)  # as vLLM's build_app does
     install_middleware(app)
     assert [m.cls for m in app.user_middleware] == [RequestDurationMiddleware, RefusalStatusMiddleware]
+
+
+def gateway_args(*argv: str):
+    import argparse
+    from ttserve.gateway import config
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_a_vision_model_gets_vllms_multimodal_flags_and_a_text_model_none(tiny_vlm):
+    from ttserve.gateway import vision_compat, vllm_compat
+    from ttserve.gateway.server import NO_MEDIA_FETCHING, vllm_argv
+    vision = engine_pb2.ModelInfo(max_model_len=2048, block_size=16, num_blocks=64, supports_images=True,
+                                  dtype="float32")
+    argv = vllm_argv(gateway_args(), str(tiny_vlm), vision)
+    assert argv[argv.index("--mm-processor-cache-gb") + 1] == "0"  # every image carries its tensors
+    assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"image": 8}'
+    assert argv[argv.index("--allowed-media-domains") + 1] == NO_MEDIA_FETCHING  # no http fetching by default
+    assert "--no-mm-device-do-normalize" in argv and argv[argv.index("--dtype") + 1] == "float32"
+    allowed = vllm_argv(gateway_args("--allowed-media-domains", "images.example", "cdn.example",
+                                     "--limit-images-per-prompt", "2"), str(tiny_vlm), vision)
+    assert allowed[allowed.index("--allowed-media-domains") + 1:][:2] == ["images.example", "cdn.example"]
+    assert allowed[allowed.index("--limit-mm-per-prompt") + 1] == '{"image": 2}'
+    assert not {"--mm-processor-cache-gb", "--limit-mm-per-prompt"} & set(vllm_argv(gateway_args(), "m", MODEL_INFO))
+    # The flags build vLLM's config for the tiny checkpoint: a multimodal model with mRoPE.
+    vllm_compat.prepare()
+    vllm_compat.inspect_models_in_process()
+    vision_compat.register()
+    from ttserve.gateway.server import build_vllm_config, parse_vllm_args
+    config = build_vllm_config(parse_vllm_args(argv), vision)
+    assert config.model_config.is_multimodal_model and config.model_config.uses_mrope
+    assert config.model_config.get_multimodal_config().mm_processor_cache_gb == 0

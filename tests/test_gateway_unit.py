@@ -257,3 +257,52 @@ def test_max_logprobs_above_twenty_is_clamped_with_a_warning(smollm2, caplog):
     from ttserve.gateway.server import parse_vllm_args
     assert parse_vllm_args(["--model", str(smollm2), "--max-logprobs", "50"]).max_logprobs == 20
     assert "clamped to 20" in caplog.text
+
+
+# ---- images ----------------------------------------------------------------------------------
+def image_feature(offset: int, length: int, pixels, grid, identifier: str = "hash-1", modality: str = "image"):
+    import torch
+    from vllm.multimodal.inputs import (MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem,
+                                        MultiModalKwargsItem, PlaceholderRange)
+    item = MultiModalKwargsItem({
+        "pixel_values": MultiModalFieldElem(data=pixels, field=MultiModalBatchedField()),
+        "image_grid_thw": MultiModalFieldElem(data=torch.tensor(grid), field=MultiModalBatchedField())})
+    return MultiModalFeatureSpec(data=item, modality=modality, identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+def test_images_travel_as_tensors_with_their_placeholders_and_hash_in_prompt_order():
+    import torch
+    from ttserve.tensor_wire import tensor_from_pb
+    pixels = [torch.randn(16, 1176).to(torch.bfloat16), torch.randn(4, 1176).to(torch.bfloat16)]
+    req = core_request(prompt=[1] * 20)
+    req.mm_features = [image_feature(12, 1, pixels[1], [1, 2, 2], "second"),
+                       image_feature(2, 4, pixels[0], [1, 4, 4], "first")]
+    assert convert.unsupported_by_protocol(req) is None
+    add = convert.to_add_request(req)
+    assert [(m.hash, m.offset, m.length, m.modality) for m in add.mm_inputs] == [
+        ("first", 2, 4, "image"), ("second", 12, 1, "image")]
+    back = tensor_from_pb(add.mm_inputs[0].data["pixel_values"])
+    assert back.dtype == torch.bfloat16 and torch.equal(back, pixels[0])
+    assert tensor_from_pb(add.mm_inputs[1].data["image_grid_thw"]).tolist() == [1, 2, 2]
+    assert convert.too_large(add) is None
+
+
+def test_unservable_multimodal_inputs_are_named():
+    import torch
+    req = core_request(prompt=[1] * 8)
+    req.mm_features = [image_feature(0, 4, torch.zeros(16, 4), [1, 4, 4], modality="video")]
+    assert "video inputs are not supported" in convert.unsupported_by_protocol(req)
+    req.mm_features = [image_feature(0, 4, torch.zeros(16, 4), [1, 4, 4])]
+    req.mm_features[0].data = None
+    assert "without its processed data" in convert.unsupported_by_protocol(req)
+
+
+def test_a_request_beyond_the_message_limit_is_refused_with_its_size(monkeypatch):
+    import torch
+    monkeypatch.setattr(convert, "MAX_ADD_REQUEST_BYTES", 1 << 20)
+    req = core_request(prompt=[1] * 8)
+    req.mm_features = [image_feature(0, 4, torch.zeros(256, 1176), [1, 16, 16])]  # 1.1 MiB of float32
+    reason = convert.too_large(convert.to_add_request(req))
+    assert reason == ("the request takes 1.1 MiB on the wire (1 image(s): 1.1 MiB), more than the 1 MiB a "
+                      "request may: send fewer or smaller images")

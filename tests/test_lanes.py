@@ -182,9 +182,9 @@ def test_moe_with_independent_group_dp_is_refused():
     assert lanes_for(describe(mixture_of_experts=True, single_execute_lanes=True), dp=4) == 4
 
 
-def test_mrope_in_lane_mode_is_refused():
-    with pytest.raises(IncompatibleWorker, match="mRoPE"):
-        lanes_for(describe(mrope=True, single_execute_lanes=True), dp=2)
+def test_mrope_models_run_in_lane_mode():
+    """The plugin refuses request-specific RoPE with lane DP; ttserve keeps rope deltas by row."""
+    assert lanes_for(describe(mrope=True, single_execute_lanes=True), dp=2) == 2
     assert lanes_for(describe(mrope=True, single_execute_lanes=True), dp=1) == 1
 
 

@@ -28,7 +28,8 @@ from ttserve.worker.registry import (
 
 LOGGER = "ttserve.worker.registry"
 
-TORCH_NAMES = ["TTLlamaForCausalLM", "TTMistralForCausalLM", "TTQwen2ForCausalLM", "TTQwen3ForCausalLM"]
+TORCH_NAMES = ["TTLlamaForCausalLM", "TTMistralForCausalLM", "TTQwen2ForCausalLM", "TTQwen2_5_VLForConditionalGeneration",
+               "TTQwen3ForCausalLM"]
 
 # A minimal class that speaks the generator contract (nothing runs through it here).
 CONTRACT_CLASS = '''
@@ -145,13 +146,29 @@ GALAXY = "models.demos.llama3_70b_galaxy.tt.generator_vllm"
 def test_ttnn_entries_are_listed_without_importing_tt_metal():
     registry = build_registry("ttnn", {})
     assert {"TTLlamaForCausalLM", "TTQwen2ForCausalLM", "TTQwen3ForCausalLM", "TTMistralForCausalLM",
-            "TTGptOssForCausalLM", "TTDeepseekV3ForCausalLM"} == set(registry.names())
+            "TTGptOssForCausalLM", "TTDeepseekV3ForCausalLM", *VISION_TARGETS} == set(registry.names())
     assert all(isinstance(e.target, str) for e in registry.entries.values())
     assert not [m for m in sys.modules if m == "models" or m.startswith("models.")]
     # Selecting one imports it: tt-metal is absent here, which is a clear error naming the module.
     with pytest.raises(ModelLoadError) as e:
         registry.resolve(["LlamaForCausalLM"])
     assert f"{TT_TRANSFORMERS}:LlamaForCausalLM" in str(e.value) and "tt-metal" in str(e.value)
+
+
+# The vision classes the TT plugin registers (vllm-tt-plugin platform.py), at the same paths.
+VISION_TARGETS = {
+    "TTMllamaForConditionalGeneration": f"{TT_TRANSFORMERS}:MllamaForConditionalGeneration",
+    "TTQwen2_5_VLForConditionalGeneration":
+        "models.demos.qwen25_vl.tt.generator_vllm:Qwen2_5_VLForConditionalGeneration",
+    "TTQwen3VLForConditionalGeneration": "models.demos.qwen3_vl.tt.generator_vllm:Qwen3VLForConditionalGeneration",
+    "TTMistral3ForConditionalGeneration": f"{TT_TRANSFORMERS}:Mistral3ForConditionalGeneration",
+    "TTGemma3ForConditionalGeneration": f"{TT_TRANSFORMERS}:Gemma3ForConditionalGeneration",
+}
+
+
+def test_ttnn_vision_entries_name_the_plugins_classes():
+    registry = build_registry("ttnn", {})
+    assert {name: registry.entries[name].target for name in VISION_TARGETS} == VISION_TARGETS
 
 
 @pytest.mark.parametrize("env, name, target", [

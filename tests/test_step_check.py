@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ttserve.worker.batch import DecodeItem, NewRequest, PrefillChunk, StepBatch
+from ttserve.worker.batch import DecodeItem, ImageInput, NewRequest, PrefillChunk, StepBatch
 from ttserve.worker.step_check import Limits, check_batch
 
 LIMITS = Limits(num_lanes=2, max_num_seqs=4, num_blocks_per_lane=16, block_size=4, max_model_len=32,
@@ -44,6 +44,8 @@ def good_prefill() -> tuple[NewRequest, PrefillChunk]:
     (new("bad", 2, temperature=math.nan), PrefillChunk("bad", [1], 0, [4], True), "temperature nan"),
     (new("bad", 2, top_p=0.0), PrefillChunk("bad", [1], 0, [4], True), "top_p 0.0 must be in (0, 1]"),
     (None, PrefillChunk("ghost", [1], 0, [4], True), "has no device state on this worker"),
+    (new("bad", 2), PrefillChunk("bad", [1] * 4, 0, [4], False, images=[ImageInput("h", 2, 3)]),
+     "an image's placeholders [2, 5) cross the prefill chunk [0, 4)"),
 ])
 def test_a_bad_item_is_refused_alone_with_its_reason(bad_new, bad_item, reason):
     good_new, good_chunk = good_prefill()

@@ -12,7 +12,8 @@ from typing import Any, Callable
 import grpc
 
 # 2: host-sampler options and logprobs (a version-1 worker would silently ignore them).
-PROTOCOL_VERSION = 2
+# 3: images (AddRequest.mm_inputs, PrefillChunk.mm_inputs): a version-2 peer would drop them.
+PROTOCOL_VERSION = 3
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
 # Every ttserve server and channel: a step's outputs or a long prompt can exceed gRPC's 4 MiB.

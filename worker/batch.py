@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
 
-__all__ = ["DecodeItem", "HostSampling", "NewRequest", "PrefillChunk", "ServingConfig", "StepBatch",
+__all__ = ["DecodeItem", "HostSampling", "ImageInput", "NewRequest", "PrefillChunk", "ServingConfig", "StepBatch",
            "StepResult", "TokenLogprobs"]
 
 
@@ -51,6 +52,21 @@ class NewRequest:
 
 
 @dataclass(slots=True)
+class ImageInput:
+    """One image of a request as its processor made it (multimodal.proto): its placeholders are
+    prompt[offset, offset + length); `data` holds the processor's tensors by name
+    (pixel_values, image_grid_thw)."""
+    hash: str
+    offset: int
+    length: int
+    data: dict[str, Any] = field(default_factory=dict)  # name -> torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(slots=True)
 class PrefillChunk:
     request_id: str
     token_ids: list[int]
@@ -59,6 +75,7 @@ class PrefillChunk:
     sample: bool
     token_bitmask: bytes = b""     # grammar mask of the sampled token (device.proto); b"" = none
     cached_token_ids: list[int] = field(default_factory=list)  # [0, start_pos) on a request's first chunk
+    images: list[ImageInput] = field(default_factory=list)  # not sent before, starting before the chunk's end
 
 
 @dataclass(slots=True)

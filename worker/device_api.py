@@ -93,7 +93,9 @@ class TorchDevice:
     def sampling_params(self, batch: SamplingBatch, seeds: list[int | None]) -> Any:
         return batch
 
-    def prefill(self, model: Any, **kwargs: Any) -> Any:
+    def prefill(self, model: Any, rope_deltas: bool = False, **kwargs: Any) -> Any:
+        """The model's prefill output; with rope_deltas (an mRoPE model), (output, rope_deltas),
+        as such a model returns them."""
         return model.prefill_forward(**kwargs, enable_trace=self.traced("prefill"))
 
     def launch_decode(self, model: Any, sampling_params: Any, *, tokens: torch.Tensor, previous: Any = None,
@@ -178,11 +180,12 @@ class TtnnDevice:
     def check(self, model_cls: type, model_path: Path, config: ServingConfig) -> None:
         """Refuses (ValueError, before any weight loads) a serving configuration the class would
         assert on, and a checkpoint variable that names other weights."""
-        from .tt_models import capability_problem, checkpoint_environment, data_parallel_problem
+        from .tt_models import capability_problem, checkpoint_environment, data_parallel_problem, image_input_problem
         family = self.family(model_cls)
         problem = (data_parallel_problem(family, config.num_lanes, config.max_num_seqs, self.backend.spec)
                    or checkpoint_environment(family, model_path, self.env).problem
-                   or capability_problem(model_cls.__name__, getattr(model_cls, "model_capabilities", None) or {}))
+                   or capability_problem(model_cls.__name__, getattr(model_cls, "model_capabilities", None) or {})
+                   or image_input_problem(model_cls.__name__))
         if problem:
             raise ValueError(problem)
 
@@ -245,10 +248,13 @@ class TtnnDevice:
                               top_p=[0.0 if k == 1 else float(p) for k, p in zip(top_k, batch.top_p)],
                               seed=list(seeds))
 
-    def prefill(self, model: Any, **kwargs: Any) -> Any:
+    def prefill(self, model: Any, rope_deltas: bool = False, **kwargs: Any) -> Any:
         self._next_positions = self._active = self._page_table = None
-        out = self.backend.prefill(model, **kwargs)
-        return out.reshape(-1) if kwargs.get("sampling_params") is not None else out
+        out = self.backend.prefill(model, rope_deltas=rope_deltas, **kwargs)
+        out, deltas = out if rope_deltas else (out, None)
+        if kwargs.get("sampling_params") is not None:
+            out = out.reshape(-1)
+        return (out, deltas) if rope_deltas else out
 
     def launch_decode(self, model: Any, sampling_params: Any, *, tokens: torch.Tensor, start_pos: torch.Tensor,
                       page_table: torch.Tensor, previous: Any = None, carried_rows: Sequence[int] = (),

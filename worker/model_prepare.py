@@ -74,6 +74,22 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class BuiltModel:
+    """A model built here from nothing but transformers and a seed (worker/tiny_vlm.py)."""
+
+    folder: str
+    needs: str          # the embedded model whose tokenizer it reuses
+    architecture: str
+
+
+# Built test models: random weights, real processors (no real checkpoint of the family installs).
+BUILT_MODELS: dict[str, BuiltModel] = {
+    "tiny-vlm": BuiltModel(folder="tiny-vlm-Qwen2.5-VL", needs="smollm2",
+                           architecture="Qwen2_5_VLForConditionalGeneration"),
+}
+
+
 def cache_root(cache_dir: Path | None = None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir)
@@ -90,17 +106,18 @@ def resolve_model(name_or_path: str) -> Path:
                 f"{path} is a folder but has no config.json; a model folder must be a Hugging Face "
                 "checkpoint (config.json + *.safetensors).")
         return path
-    if name_or_path in EMBEDDED_MODELS:
+    if name_or_path in EMBEDDED_MODELS or name_or_path in BUILT_MODELS:
         return prepare(name_or_path)
     raise ModelPrepareError(
         f"unknown model {name_or_path!r}: give the path of a local Hugging Face folder "
-        f"(config.json + *.safetensors) or one of the embedded models: {sorted(EMBEDDED_MODELS)}")
+        f"(config.json + *.safetensors) or one of the embedded models: "
+        f"{sorted([*EMBEDDED_MODELS, *BUILT_MODELS])}")
 
 
 def prepared_folder(name_or_path: str) -> tuple[Path | None, str | None]:
     """What `resolve_model` would serve, without converting anything: the folder, or None and
     why not yet (an embedded model that start-up would still convert). Refusals raise as there."""
-    spec = EMBEDDED_MODELS.get(name_or_path)
+    spec = EMBEDDED_MODELS.get(name_or_path) or BUILT_MODELS.get(name_or_path)
     if spec is None or Path(name_or_path).expanduser().is_dir():
         return resolve_model(name_or_path), None
     final = cache_root(None) / "models" / spec.folder
@@ -111,11 +128,14 @@ def prepared_folder(name_or_path: str) -> tuple[Path | None, str | None]:
 
 
 def prepare(name: str, cache_dir: Path | None = None) -> Path:
-    """Returns the Hugging Face folder of embedded model `name`, converting it on first use."""
+    """Returns the Hugging Face folder of embedded model `name`, converting (or building) it on
+    first use."""
+    if name in BUILT_MODELS:
+        return _prepare_built(name, cache_dir)
     spec = EMBEDDED_MODELS.get(name)
     if spec is None:
         raise ModelPrepareError(
-            f"unknown embedded model {name!r}; embedded models are: {sorted(EMBEDDED_MODELS)}")
+            f"unknown embedded model {name!r}; embedded models are: {sorted([*EMBEDDED_MODELS, *BUILT_MODELS])}")
     models = cache_root(cache_dir) / "models"
     final = models / spec.folder
     if (final / MARKER).is_file():
@@ -131,6 +151,36 @@ def prepare(name: str, cache_dir: Path | None = None) -> Path:
             gguf = _locate_gguf(spec, Path(scratch))
             _convert(spec, gguf, partial)
         _publish(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("prepared model=%s path=%s seconds=%.1f", name, final, time.monotonic() - started)
+    return final
+
+
+def _prepare_built(name: str, cache_dir: Path | None) -> Path:
+    """A built model, made once under the same publish-whole rule as the converted ones."""
+    spec = BUILT_MODELS[name]
+    models = cache_root(cache_dir) / "models"
+    final = models / spec.folder
+    if (final / MARKER).is_file():
+        return final
+    tokenizer_source = prepare(spec.needs, cache_dir)
+    models.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_partials(models, spec.folder)
+    started = time.monotonic()
+    partial = Path(tempfile.mkdtemp(prefix=f".{spec.folder}.partial-{os.getpid()}-", dir=models))
+    partial.chmod(0o755)
+    try:
+        import transformers
+
+        from .tiny_vlm import SEED, build
+        build(partial, tokenizer_source)
+        (partial / MARKER).write_text(json.dumps({
+            "built": name, "seed": SEED, "tokenizer": spec.needs,
+            "transformers": transformers.__version__}) + "\n")
+        _publish(partial, final)
+    except ImportError as e:
+        raise ModelPrepareError(f"building {name} needs transformers with Qwen2.5-VL: {e}") from e
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     log.info("prepared model=%s path=%s seconds=%.1f", name, final, time.monotonic() - started)

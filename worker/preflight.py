@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .mesh import PRESETS, MeshError, MeshSpec, fabric_for, mesh_from_env, resolve_mesh
-from .tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment,
+from .tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment, image_input_problem,
                         data_parallel_problem, device_top_k, folds_dp_into_lanes, kv_budget, optimizations_problem, tt_data_parallel)
 
 # resolve_mesh's device count for a plan made without chips: any named mesh fits.
@@ -112,11 +112,17 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
         plan.warn(f"{not_yet}: the model's checks are left to start-up")
         return plan
     import json
-    plan.hf_config = json.loads((plan.model_path / "config.json").read_text())
+    config = json.loads((plan.model_path / "config.json").read_text())
+    # A vision-language checkpoint nests its language model's shape (as the runner reads it).
+    text = config.get("text_config")
+    plan.hf_config = {**config, **text} if isinstance(text, dict) else config
     if plan.backend == "ttnn":
         _plan_ttnn(plan, env, serving)
     else:
         _plan_reference(plan, args, env)
+    if "vision_config" in plan.hf_config and not plan.fatal:
+        plan.say("images", "taken: the gateway runs vLLM's processor for the model; each prefill user gets its "
+                 "pixel_values and image_grid_thw; chunks never split an image")
     return plan
 
 
@@ -206,7 +212,7 @@ def _plan_ttnn(plan: WorkerPlan, env: Mapping[str, str], serving: Serving | None
     plan.say("model", f"{plan.model_path} ({plan.architecture}) -> {entry.name}{which}: {entry.target_name}")
     _plan_mesh(plan, env)
     plan.lanes_in_process = folds_dp_into_lanes(family, env)
-    for problem in (optimizations_problem(family, plan.options),):
+    for problem in (optimizations_problem(family, plan.options), image_input_problem(family.class_name)):
         if problem:
             plan.refuse(problem)
     plan.environment = checkpoint_environment(family, plan.model_path, env)

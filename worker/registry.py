@@ -62,10 +62,17 @@ SELECTORS: dict[str, tuple[str, dict[str, str]]] = {
     }),
 }
 
-# Text-generation classes of tt-metal that the selectors do not switch. (The plugin also registers
-# multimodal classes -- Mllama, Qwen2.5-VL, Qwen3-VL, Mistral3, Gemma3/4 -- which need image
-# inputs that ttserve does not carry, so they are not listed here.)
+# Classes of tt-metal that the selectors do not switch: text generation, and the vision models
+# the plugin registers (platform.py), which take images as prefill_forward's pixel_values and
+# image_grid_thw (worker/runner.py gathers them as the plugin's _gather_multi_modal_inputs).
 _TTNN_FIXED = {
+    "TTMllamaForConditionalGeneration": "models.tt_transformers.tt.generator_vllm:MllamaForConditionalGeneration",
+    "TTQwen2_5_VLForConditionalGeneration":
+        "models.demos.qwen25_vl.tt.generator_vllm:Qwen2_5_VLForConditionalGeneration",
+    "TTQwen3VLForConditionalGeneration":
+        "models.demos.qwen3_vl.tt.generator_vllm:Qwen3VLForConditionalGeneration",
+    "TTMistral3ForConditionalGeneration": f"{_TT_TRANSFORMERS}:Mistral3ForConditionalGeneration",
+    "TTGemma3ForConditionalGeneration": f"{_TT_TRANSFORMERS}:Gemma3ForConditionalGeneration",
     "TTQwen2ForCausalLM": f"{_TT_TRANSFORMERS}:QwenForCausalLM",
     "TTMistralForCausalLM": f"{_TT_TRANSFORMERS}:MistralForCausalLM",
     "TTGptOssForCausalLM": f"{_TT_TRANSFORMERS}:GptOssForCausalLM",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .batch import (DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult,
+from .batch import (DecodeItem, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult,
                     TokenLogprobs)
 from .device_api import Progress, TorchDevice
 from .options import async_decode_allowed, device_sampling, trace_flags
@@ -49,6 +49,12 @@ class RequestState:
     # Options only the host sampler applies, with the token history they read; None: none.
     # A resumed request arrives as a new NewRequest with its whole history, never appended to.
     host: HostSampling | None = None
+    # The images the control plane has sent for this device state, in prompt order: each is
+    # sent once (with the chunk that covers it) and kept, since every later chunk's positions
+    # depend on the grids of the images before it; once computed, only its grid is kept.
+    images: list[ImageInput] = field(default_factory=list)
+    # mRoPE models: decode position = sequence position + this (the model's prefill says).
+    rope_delta: int = 0
 
     @property
     def blocked_token_ids(self) -> list[int] | None:
@@ -140,7 +146,22 @@ class ModelRunner:
     # ---- model facts ---------------------------------------------------------------------
     @staticmethod
     def read_config(model_path: Path) -> dict:
-        return json.loads((model_path / "config.json").read_text())
+        """config.json, with a vision-language model's text_config (transformers 5 nests the
+        language model's shape there) also read at the top level, where its fields would be in
+        a text-only checkpoint."""
+        config = json.loads((model_path / "config.json").read_text())
+        text = config.get("text_config")
+        return {**config, **text} if isinstance(text, dict) else config
+
+    @property
+    def supports_images(self) -> bool:
+        """A vision-language model (its checkpoint has a vision tower)."""
+        return "vision_config" in self.hf_config
+
+    @property
+    def image_token_id(self) -> int:
+        c = self.hf_config
+        return int(c.get("image_token_id", c.get("image_token_index", 0)) or 0)
 
     @property
     def vocab_size(self) -> int:
@@ -225,6 +246,14 @@ class ModelRunner:
         self._limits = Limits(config.num_lanes, config.max_num_seqs, layout.num_blocks_per_lane, self.block_size,
                               config.max_model_len, width, self.vocab_size)
         self.config = config
+
+    @property
+    def max_prefill_batch_size(self) -> int:
+        """Rows of one prefill step: one for a class that cannot mix text-only and image users
+        in a prefill (tt_models.one_prefill_user), else a lane's rows."""
+        from .tt_models import one_prefill_user
+        assert self.config is not None
+        return 1 if self.supports_images and one_prefill_user(self.model_cls.__name__) else self.config.max_num_seqs
 
     @property
     def prefill_buckets(self) -> list[int]:
@@ -367,18 +396,30 @@ class ModelRunner:
         for i, row_tokens in enumerate(rows_tokens):
             tokens[i, :len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
         rows = [s.row for s in states]
+        images = self._prefill_images(states, chunks)
         # An intermediate chunk samples nothing: greedy and without its generator, so a seeded
         # request draws the same random numbers however its prompt was chunked.
         sampling = _sampling_batch([s if c.sample else None for s, c in zip(states, chunks)],
                                    [c.token_bitmask if c.sample else None for c in chunks])
-        on_device = self._samples_on_device("prefill", states, all(c.sample for c in chunks),
-                                            any(c.token_bitmask for c in chunks))
+        # A vision model's prefill samples on the host: tt-metal's vision classes drop
+        # sampling_params in prefill and return logits (qwen25_vl/qwen3_vl generator_vllm.py).
+        on_device = not self.supports_images and self._samples_on_device(
+            "prefill", states, all(c.sample for c in chunks), any(c.token_bitmask for c in chunks))
         out = self.device_api.prefill(
             self.model, tokens=tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
             prompt_lens=torch.tensor([c.start_pos + len(c.token_ids) for c in chunks]),
             start_pos=torch.tensor([c.start_pos for c in chunks]),
             sampling_params=self.device_api.sampling_params(sampling, [s.seed for s in states]) if on_device else None,
-            empty_slots=rows)
+            empty_slots=rows, **images, **({"rope_deltas": True} if self.uses_mrope else {}))
+        if self.uses_mrope:
+            out, deltas = out
+            for state, delta in zip(states, torch.as_tensor(deltas).reshape(-1).tolist()):
+                state.rope_delta = int(delta)
+        for state, chunk in zip(states, chunks):
+            end = chunk.start_pos + len(chunk.token_ids)
+            for image in state.images:  # in the KV cache now: the pixels are not needed again
+                if image.end <= end and "pixel_values" in image.data:
+                    image.data = {k: v for k, v in image.data.items() if k != "pixel_values"}
         logprobs: list[TokenLogprobs | None] = [None] * len(chunks)
         if on_device:
             sampled = out
@@ -391,6 +432,28 @@ class ModelRunner:
             self._requests[request_id].sampled(token)
         wanted = {c.request_id: lp for c, lp in zip(chunks, logprobs) if lp is not None}
         return tokens, wanted, on_device
+
+    def _prefill_images(self, states: list[RequestState], chunks: list[PrefillChunk]) -> dict[str, list]:
+        """A vision model's image inputs of a prefill, as the TT plugin gathers them
+        (model_runner.py `_gather_multi_modal_inputs`): per prefill user None (no images) or a
+        list over the images in its row [0, chunk end): pixel_values of the ones this chunk
+        computes, None for ones before start_pos (in the KV cache already), and every grid."""
+        if not self.supports_images:
+            return {}
+        pixel_values: list[list | None] = []
+        grids: list[list | None] = []
+        for state, chunk in zip(states, chunks):
+            state.images += chunk.images
+            end = chunk.start_pos + len(chunk.token_ids)
+            mine = [image for image in state.images if image.offset < end]
+            if not mine:
+                pixel_values.append(None)
+                grids.append(None)
+                continue
+            pixel_values.append([image.data.get("pixel_values") if image.offset >= chunk.start_pos else None
+                                 for image in mine])
+            grids.append([image.data.get("image_grid_thw") for image in mine])
+        return {"pixel_values": pixel_values, "image_grid_thw": grids}
 
     def _prefix_with(self, state: RequestState, chunk: PrefillChunk) -> list[int]:
         """The request's tokens [0, chunk end): what the worker holds of it, after the cached
@@ -435,10 +498,13 @@ class ModelRunner:
         sampling = _sampling_batch(by_row, masks)
         on_device = self._samples_on_device("decode", [s for s in by_row if s], True, any(masks))
         launched.result.sampled_on_device = on_device
+        # mRoPE: every row's rope delta, an authoritative list by row (tt-metal's
+        # rope_deltas_all_users; the plugin sends it whenever its batch changed).
+        rope = {"rope_deltas_all_users": [s.rope_delta if s else 0 for s in by_row]} if self.uses_mrope else {}
         pending = self.device_api.launch_decode(
             self.model, self.device_api.sampling_params(sampling, [s.seed if s else None for s in by_row])
             if on_device else None, tokens=tokens, start_pos=positions, page_table=self._page_table,
-            kv_cache=self.kv_cache, previous=self._previous_tokens, carried_rows=carried)
+            kv_cache=self.kv_cache, previous=self._previous_tokens, carried_rows=carried, **rope)
         if pipelined and on_device:
             # The result stays on the device until finish(), after the next step is launched;
             # that step's carried rows take these tokens from the device (device_api decides how).

@@ -97,14 +97,16 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 supports_chunked_prefill=caps.get("supports_chunked_prefill", False),
                 single_execute_lanes=r.lanes_in_process),
             eos_token_ids=r.eos_token_ids, ready=r.config is not None, async_decode=r.async_decode,
-            mixture_of_experts=r.is_mixture_of_experts, mrope=r.uses_mrope)
+            mixture_of_experts=r.is_mixture_of_experts, mrope=r.uses_mrope,
+            supports_images=r.supports_images, image_token_id=r.image_token_id if r.supports_images else 0,
+            dtype=str(r.dtype).removeprefix("torch."))
         if r.config is not None and r.layout is not None:
             d.config.CopyFrom(config_to_pb(r.config))
             d.num_blocks_per_lane = r.layout.num_blocks_per_lane
             d.block_size = r.layout.block_size
             d.decode_batch_size = r.config.max_num_seqs
             d.prefill_buckets.extend(r.prefill_buckets)  # empty: any length runs (eagerly)
-            d.max_prefill_batch_size = r.config.max_num_seqs
+            d.max_prefill_batch_size = r.max_prefill_batch_size
         return d
 
     def _log_summary(self, warmup_s: float) -> None:

@@ -123,6 +123,11 @@ def _item_problem(item: PrefillChunk | DecodeItem, limits: Limits, held: int, pr
         if known != item.start_pos:
             return (f"a prefill chunk starts at {item.start_pos}, but the worker holds {known} of the "
                     "request's tokens (a prefix-cache hit sends them as cached_token_ids)")
+        for image in item.images:
+            # An image is computed whole, in one chunk: never cut by the chunk's start or end.
+            if image.end > end or image.offset < item.start_pos < image.end:
+                return (f"an image's placeholders [{image.offset}, {image.end}) cross the prefill chunk "
+                        f"[{item.start_pos}, {end}); a chunk may not split an image")
     else:
         tokens = [] if item.use_previous_token else [item.token_id]
         if not 0 <= item.position < limits.max_model_len:

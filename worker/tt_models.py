@@ -39,13 +39,31 @@ DEVICE_TOP_K = 32
 # without DEEPSEEK_V3_HF_MODEL. Keyed by the module that defines the class.
 _CHECKPOINT_VARIABLES = {
     "models.tt_transformers.": "HF_MODEL",
+    # The vision demos build their ModelArgs on tt_transformers' (qwen25_vl/tt/model_config.py).
+    "models.demos.qwen25_vl.": "HF_MODEL",
+    "models.demos.qwen3_vl.": "HF_MODEL",
     "models.demos.llama3_70b_galaxy.": "LLAMA_DIR",
     "models.demos.deepseek_v3.": "DEEPSEEK_V3_HF_MODEL",
 }
 
 # Modules that import vLLM at their top (tt_transformers' generator_vllm: gemma3_mm, mistral3,
 # MULTIMODAL_REGISTRY; the Galaxy one: vllm.envs), so importing any class in them needs vLLM.
-VLLM_IMPORTING_MODULES = ("models.tt_transformers.tt.generator_vllm", "models.demos.llama3_70b_galaxy.tt.generator_vllm")
+VLLM_IMPORTING_MODULES = ("models.tt_transformers.tt.generator_vllm", "models.demos.llama3_70b_galaxy.tt.generator_vllm",
+                          "models.demos.qwen25_vl.tt.generator_vllm", "models.demos.qwen3_vl.tt.generator_vllm")
+
+# How tt-metal's vision classes take images (each generator_vllm.py), as the plugin's model
+# runner passes them: pixel_values and image_grid_thw per prefill user (model_runner.py
+# `_gather_multi_modal_inputs`).
+# - Qwen2.5-VL, Qwen3-VL: prefill_forward(..., pixel_values=, image_grid_thw=) returns (logits,
+#   rope_deltas); decode_forward takes rope_deltas_all_users. Qwen3-VL reads the first user's
+#   entry to decide whether the batch has images ("we currently do not support mixed inputs of
+#   text-only users and text-image users"): its prefills run one user at a time.
+# - Gemma3: prefill_forward(**kwargs) -> prefill_forward_text with pixel_values per user.
+# - Mllama, Mistral3: prefill_forward(tokens, images, page_table, kv_cache, prompt_lens,
+#   cross_page_table): PIL images and a cross-attention page table, the encoder-decoder path the
+#   plugin's model runner refuses ("Encoder-decoder models aren't yet supported for TT").
+ONE_PREFILL_USER_CLASSES = ("Qwen3VLForConditionalGeneration",)
+CROSS_ATTENTION_CLASSES = ("MllamaForConditionalGeneration", "Mistral3ForConditionalGeneration")
 
 # What a tt-metal host installs for those modules: the vLLM build tt-metal's LLMs table pins,
 # built by the plugin's docs/install-vllm-tt.sh (vLLM 0.25.1, VLLM_TARGET_DEVICE=empty,
@@ -209,6 +227,20 @@ def kv_cache_dtype(hf_config: Mapping[str, Any]) -> str:
     on an accelerator)."""
     declared = hf_config.get("torch_dtype") or hf_config.get("dtype")
     return declared if declared in ("bfloat16", "float16") else "bfloat16"
+
+
+def image_input_problem(class_name: str) -> str | None:
+    """A vision class whose prefill takes images in a form ttserve does not send."""
+    if class_name in CROSS_ATTENTION_CLASSES:
+        return (f"{class_name} takes PIL images and a cross-attention page table (tt-metal's "
+                "encoder-decoder prefill_forward), which ttserve does not serve, as the TT plugin does not: "
+                "serve a model that takes pixel_values (Qwen2.5-VL, Qwen3-VL, Gemma 3)")
+    return None
+
+
+def one_prefill_user(class_name: str) -> bool:
+    """The class cannot prefill text-only and image users in one call."""
+    return class_name in ONE_PREFILL_USER_CLASSES
 
 
 def capability_problem(class_name: str, capabilities: Mapping[str, Any]) -> str | None:

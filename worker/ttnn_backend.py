@@ -440,11 +440,18 @@ class TtnnBackend:
                    else f"{phase} {kind} done; warm in {time.perf_counter() - started:.1f} s")
 
     # ---- steps ----
-    def prefill(self, model: Any, **kwargs: Any) -> Any:
+    def prefill(self, model: Any, rope_deltas: bool = False, **kwargs: Any) -> Any:
         """`prefill_forward` with this mesh's prefill trace flag (tokens, page_table, kv_cache,
-        prompt_lens, start_pos, sampling_params, empty_slots as the contract names them)."""
+        prompt_lens, start_pos, sampling_params, empty_slots as the contract names them; a vision
+        model's pixel_values and image_grid_thw). An mRoPE model returns (output, rope_deltas)
+        (models/demos/qwen25_vl/tt/generator_vllm.py; the plugin's model_runner.py unpacks it when
+        the model uses mRoPE): with rope_deltas, (host output, rope_deltas)."""
         with _device_errors("prefill"):
-            return host_output(model.prefill_forward(**kwargs, enable_trace=self.trace.prefill))
+            out = model.prefill_forward(**kwargs, enable_trace=self.trace.prefill)
+        if rope_deltas:
+            out, deltas = out
+            return host_output(out), deltas
+        return host_output(out)
 
     def keeps_decode_inputs(self, model: Any) -> bool:
         """Whether `model` can run a decode on the inputs the previous one left on the device:

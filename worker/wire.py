@@ -1,9 +1,10 @@
 """The one place the worker converts between protobuf and its domain objects."""
 from __future__ import annotations
 
-from ttserve.v1 import device_pb2
+from ttserve.tensor_wire import tensor_from_pb
+from ttserve.v1 import device_pb2, multimodal_pb2
 
-from .batch import DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
+from .batch import DecodeItem, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
 
 _KIND = {device_pb2.STEP_KIND_EMPTY: "empty", device_pb2.STEP_KIND_PREFILL: "prefill",
          device_pb2.STEP_KIND_DECODE: "decode"}
@@ -20,10 +21,17 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
                       for r in b.new_requests],
         released_ids=list(b.released_request_ids),
         prefill=[PrefillChunk(c.request_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
-                              c.token_bitmask, list(c.cached_token_ids)) for c in b.prefill],
+                              c.token_bitmask, list(c.cached_token_ids), [_image(m) for m in c.mm_inputs])
+                 for c in b.prefill],
         decode=[DecodeItem(d.request_id, d.token_id, d.position, list(d.new_block_ids), d.use_previous_token,
                            d.token_bitmask) for d in b.decode],
         async_readback=b.async_readback)
+
+
+def _image(m: multimodal_pb2.MultiModalInput) -> ImageInput:
+    # A malformed tensor raises TensorError: the step fails with its message (a client bug the
+    # gateway's own conversion never produces).
+    return ImageInput(m.hash, m.offset, m.length, {name: tensor_from_pb(t) for name, t in m.data.items()})
 
 
 def _host_sampling(r: device_pb2.NewRequest) -> HostSampling | None:

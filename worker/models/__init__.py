@@ -8,13 +8,15 @@ from ttserve.worker.models.llama import (
     TorchQwen2ForCausalLM,
     TorchQwen3ForCausalLM,
 )
+from ttserve.worker.models.qwen2_5_vl import TorchQwen2_5_VLForConditionalGeneration
 
 REFERENCE_ARCHITECTURES: dict[str, type[TorchLlamaForCausalLM]] = {
     "LlamaForCausalLM": TorchLlamaForCausalLM,
     "Qwen2ForCausalLM": TorchQwen2ForCausalLM,
     "Qwen3ForCausalLM": TorchQwen3ForCausalLM,
     "MistralForCausalLM": TorchMistralForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": TorchQwen2_5_VLForConditionalGeneration,
 }
 
 __all__ = ["REFERENCE_ARCHITECTURES", "TorchLlamaForCausalLM", "TorchMistralForCausalLM",
-           "TorchQwen2ForCausalLM", "TorchQwen3ForCausalLM"]
+           "TorchQwen2ForCausalLM", "TorchQwen2_5_VLForConditionalGeneration", "TorchQwen3ForCausalLM"]

@@ -194,6 +194,10 @@ class _Step:
     lanes: list[tuple[int, torch.Tensor | None]]  # (lane, rows of the batch; None = all)
     block_table: torch.Tensor   # [B, T // block_size] block ids, 0 where the row needs none
     writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # lane -> (flat, blk, off)
+    # Vision models (qwen2_5_vl.py): input embeddings [B, S, hidden] with the images' merged in
+    # (None: embed `tokens`), and mRoPE positions [3, B, S] (None: `positions` on every axis).
+    embeds: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -223,6 +227,9 @@ class TorchLlamaForCausalLM:
     }
     # Checkpoint tensors an architecture cannot do without, beyond the Llama set.
     required_extras: tuple[str, ...] = ()
+    # The vLLM CPU kernels' path may serve it (a vision model's embeddings and mRoPE need the
+    # plain torch forward).
+    allows_cpu_kernels: bool = True
 
     def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int) -> None:
@@ -313,7 +320,8 @@ class TorchLlamaForCausalLM:
         if num_layers != self.shape.num_layers:
             raise ValueError(f"num_layers={num_layers}, the model has {self.shape.num_layers}")
         why = (f"the KV cache's {dtype} is not the model's {self.dtype}" if dtype != self.dtype else
-               cpu_kernels.unavailable(self.device, dtype, block_size, head_dim, self.shape.sliding_window))
+               f"{type(self).__name__} feeds input embeddings and its own RoPE positions" if not self.allows_cpu_kernels
+               else cpu_kernels.unavailable(self.device, dtype, block_size, head_dim, self.shape.sliding_window))
         if not why:
             self.kernel_isa = cpu_kernels.isa(dtype, block_size, head_dim)
             log.info("attention, norms and RoPE run vLLM CPU's kernels (%s)", self.kernel_isa)
@@ -340,6 +348,17 @@ class TorchLlamaForCausalLM:
         (model_id_warmup, warmup_prefill, ...) carry nothing here and are accepted and ignored.
         """
         del enable_trace  # eager torch: every shape runs as it comes
+        chunk_tokens, start, end, lanes = self._prefill_inputs(tokens, prompt_lens, start_pos, empty_slots)
+        logits = self._run(chunk_tokens, start, end, page_table, lanes, kv_cache)
+        if sampling_params is not None:
+            return sample(logits, sampling_params)
+        return logits.unsqueeze(1)
+
+    def _prefill_inputs(self, tokens: torch.Tensor, prompt_lens: Sequence[int] | torch.Tensor,
+                        start_pos: Sequence[int] | torch.Tensor | None, empty_slots: Sequence[int] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """A prefill call's arguments checked: the chunks' tokens [B, S], their start and end
+        positions [B] and each row's lane."""
         batch = tokens.shape[0]
         end = _long(prompt_lens, batch)
         start = torch.zeros(batch, dtype=torch.long) if start_pos is None else _long(start_pos, batch)
@@ -356,11 +375,7 @@ class TorchLlamaForCausalLM:
                 "tokens[i, start_pos[i]:prompt_lens[i]])")
         chunk = max(int((end - start).max()), 1)
         cols = (start[:, None] + torch.arange(chunk)).clamp(max=tokens.shape[1] - 1)
-        logits = self._run(tokens.cpu().long().gather(1, cols), start, end, page_table,
-                           [s // self.max_batch_size for s in slots], kv_cache)
-        if sampling_params is not None:
-            return sample(logits, sampling_params)
-        return logits.unsqueeze(1)
+        return tokens.cpu().long().gather(1, cols), start, end, [s // self.max_batch_size for s in slots]
 
     @torch.inference_mode()
     def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor,
@@ -387,7 +402,7 @@ class TorchLlamaForCausalLM:
             start = pos[live]
             logits = self._run(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
                                page_table.cpu()[live], [int(r) // self.max_batch_size for r in live],
-                               kv_cache)
+                               kv_cache, rope_offset=self._decode_rope_offset(live))
         live_dev = live.to(logits.device)
         if sampling_params is not None:
             out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
@@ -484,14 +499,23 @@ class TorchLlamaForCausalLM:
                      last=torch.zeros(rows, dtype=torch.long, device=dev), masks=masks, lanes=lanes,
                      block_table=table, writes=writes)
 
+    def _decode_rope_offset(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """What decode rows [n] add to their position for RoPE (mRoPE models: the request's rope
+        delta); None: nothing."""
+        return None
+
     def _run(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-             page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> torch.Tensor:
+             page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache,
+             rope_offset: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [B, vocab] of each row's last token of chunk_tokens [B, S] (row i
-        computes positions start[i]..end[i]), on the kernels' path when the cache is theirs."""
+        computes positions start[i]..end[i], rotated `rope_offset` further), on the kernels'
+        path when the cache is theirs (never with a rope offset: mRoPE models run plain torch)."""
         if self.kernel_isa and _kernel_layout(kv_cache):
+            assert rope_offset is None, "the CPU kernels' path rotates at sequence positions"
             return self._forward_packed(self._pack(chunk_tokens, start, end, page_table, lane_of_row,
                                                    kv_cache), kv_cache)
-        return self._forward(self._plan(chunk_tokens, start, end, page_table, lane_of_row, kv_cache), kv_cache)
+        return self._forward(self._plan(chunk_tokens, start, end, page_table, lane_of_row, kv_cache,
+                                        rope_offset), kv_cache)
 
     def _pack(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
               page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Packed:
@@ -561,9 +585,12 @@ class TorchLlamaForCausalLM:
                       self.kernel_isa)
         return layer.o(out.view(tokens, q_width))
 
+
     def _plan(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Step:
-        """Builds the index plan: rows [B] compute chunk_tokens [B, S] at positions start..end."""
+              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache,
+              rope_offset: torch.Tensor | None = None) -> _Step:
+        """Builds the index plan: rows [B] compute chunk_tokens [B, S] at positions start..end
+        (rotated at those positions plus `rope_offset` [B], when given)."""
         batch, width = chunk_tokens.shape
         cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
         if batch and int(end.max()) > self.max_seq_len:
@@ -604,7 +631,8 @@ class TorchLlamaForCausalLM:
         dev = self.device
         return _Step(
             tokens=chunk_tokens.to(dev),
-            positions=positions.clamp(max=self.max_seq_len - 1).to(dev),
+            positions=(positions if rope_offset is None else positions + rope_offset.cpu().long()[:, None])
+            .clamp(0, self.max_seq_len - 1).to(dev),
             last=(end - start - 1).clamp(min=0).to(dev),
             masks={k: _additive(v.to(dev), self.dtype) for k, v in masks.items()},
             lanes=lanes,
@@ -615,14 +643,17 @@ class TorchLlamaForCausalLM:
     def _forward(self, step: _Step, kv_cache: KVCache) -> torch.Tensor:
         """Runs every layer; returns float32 logits [B, vocab] of each row's last real token."""
         eps = self.shape.rms_norm_eps
-        x = F.embedding(step.tokens, self.embed)
-        cos = self._cos[step.positions].unsqueeze(2)  # [B, S, 1, head_dim]
-        sin = self._sin[step.positions].unsqueeze(2)
+        x = F.embedding(step.tokens, self.embed) if step.embeds is None else step.embeds
+        cos, sin = self._rope(step)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer, _rms_norm(x, layer.input_norm, eps), cos, sin, step, kv_cache, i)
             x = x + layer.mlp(_rms_norm(x, layer.post_norm, eps))
         last = x[torch.arange(x.shape[0], device=x.device), step.last]
         return self.lm_head(_rms_norm(last, self.final_norm, eps)).float()
+
+    def _rope(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, S, 1, head_dim] of the step's positions (sin sign-folded, see __init__)."""
+        return self._cos[step.positions].unsqueeze(2), self._sin[step.positions].unsqueeze(2)
 
     def _attention(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    step: _Step, kv_cache: KVCache, index: int) -> torch.Tensor:

@@ -7,7 +7,10 @@ registers for text models, with the behaviours ttserve must honour:
   supports batch sizes 1, 2, 4, 8, 16, 32 (max_batch_size // tt_data_parallel each);
 - get_max_tokens_all_users states the KV budget of the configurations tt-metal sized, else
   ModelCapabilitiesMixin's 131072;
-- GptOssForCausalLM asserts `optimizations is None`.
+- GptOssForCausalLM asserts `optimizations is None`;
+- the vision classes: Gemma3ForConditionalGeneration takes pixel_values per user through
+  prefill_forward_text; MllamaForConditionalGeneration and Mistral3ForConditionalGeneration take
+  prefill_forward(tokens, images, page_table, kv_cache, prompt_lens, cross_page_table).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any
 from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: F401 - imported at the top, as the real module does
 
 from models.common.utility_functions import is_wormhole_b0
-from models.tt_transformers.tt.generator import Generator
+from models.tt_transformers.tt.generator import TTNN, Generator
 from models.tt_transformers.tt.model_config import ModelArgs
 
 _CAPS = {"supports_prefix_caching": True, "supports_async_decode": True, "supports_sample_on_device": True}
@@ -80,3 +83,33 @@ class GptOssForCausalLM(_TextGenerator):
         assert optimizations is None, "Custom optimizations are not supported for this model"
         return super().initialize_vllm_model(hf_config, mesh_device, max_batch_size, max_seq_len, n_layers,
                                              tt_data_parallel, None)
+
+
+class Gemma3ForConditionalGeneration(_TextGenerator):
+    """Gemma 3 with images: prefill_forward(*args, **kwargs) hands everything to
+    prefill_forward_text, whose pixel_values are per user (None: text-only). No rope deltas."""
+    model_capabilities = {"supports_prefix_caching": False}
+
+    def prefill_forward(self, *args: Any, **kwargs: Any) -> Any:
+        pixel_values = kwargs.pop("pixel_values", None)
+        kwargs.pop("image_grid_thw", None)
+        TTNN.recorder.add("model.vision_prefill", pixel_values=pixel_values)
+        return super().prefill_forward(*args, **kwargs)
+
+
+class _CrossAttentionVision(_TextGenerator):
+    """The encoder-decoder prefill of Mllama and Mistral3: PIL images and a cross-attention page
+    table; the plugin's model runner refuses encoder-decoder models."""
+    model_capabilities = {"supports_prefix_caching": False}
+
+    def prefill_forward(self, tokens: Any, images: Any, page_table: Any, kv_cache: Any, prompt_lens: Any,
+                        cross_page_table: Any) -> Any:
+        raise AssertionError("ttserve must refuse this class before it runs")
+
+
+class MllamaForConditionalGeneration(_CrossAttentionVision):
+    pass
+
+
+class Mistral3ForConditionalGeneration(_CrossAttentionVision):
+    pass

@@ -1,0 +1,44 @@
+"""Mirrors tt-metal models/demos/qwen3_vl/tt/generator_vllm.py: Qwen3VLForConditionalGeneration,
+as models/demos/qwen25_vl's class (fakes/fake_tt_vision.py), with the differences of the real
+file: enable_trace is forced off in prefill, decode takes no update contract (reset_batch), and
+a batch's images are read only when its first user has some ("we currently do not support mixed
+inputs of text-only users and text-image users"): a mixed batch is an error here, where the real
+class would crash on a None user or drop the other users' images.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: F401 - imported at the top, as the real module does
+
+from fakes.fake_tt_model import make_model_class
+from fakes.fake_tt_vision import check_images
+
+from models.common.model_capabilities import ModelCapabilitiesMixin
+from models.tt_transformers.tt.generator import TTNN
+
+IMAGE_TOKEN_ID = 60
+
+
+class Qwen3VLForConditionalGeneration(ModelCapabilitiesMixin, make_model_class(TTNN)):
+    model_capabilities = {"supports_prefix_caching": False}
+
+    def prefill_forward(self, tokens, page_table, kv_cache, prompt_lens, enable_trace, **kwargs: Any):
+        pixel_values = kwargs.get("pixel_values") or []
+        has_images = [pv is not None for pv in pixel_values]
+        assert len(set(has_images)) <= 1, "mixed inputs of text-only users and text-image users are not supported"
+        start_pos = kwargs.get("start_pos", None)
+        deltas = check_images(tokens, prompt_lens, IMAGE_TOKEN_ID, pixel_values, kwargs.get("image_grid_thw"),
+                              start_pos)
+        TTNN.recorder.add("model.vision_prefill", pixel_values=pixel_values,
+                          image_grid_thw=kwargs.get("image_grid_thw"), rope_deltas=deltas,
+                          sampling_params=kwargs.get("sampling_params"))
+        logits = super().prefill_forward(tokens, page_table, kv_cache, torch.as_tensor(prompt_lens),
+                                         torch.as_tensor(start_pos), False, None, kwargs.get("empty_slots"))
+        return logits, torch.tensor(deltas)
+
+    def decode_forward(self, *args: Any, **kwargs: Any):
+        rope_deltas = kwargs.pop("rope_deltas_all_users", None)
+        TTNN.recorder.add("model.rope_deltas", rope_deltas=rope_deltas)
+        return super().decode_forward(*args, **kwargs)
