@@ -298,12 +298,13 @@ async def serve(args: argparse.Namespace) -> int:
         model, model_info = await discover(args)
         # No vLLM import may run on this thread before the preload ends (import lock order).
         await asyncio.to_thread(preload.join)
-        from ttserve.gateway import generation_errors, vision_compat, vllm_compat
+        from ttserve.gateway import generation_errors, responses_input, vision_compat, vllm_compat
 
         vllm_compat.prepare()
         vllm_compat.inspect_models_in_process()
         vision_compat.register()  # before vLLM reads its model registry (the config)
         generation_errors.install()  # a failed request's reason reaches its HTTP client
+        responses_input.install()  # earlier assistant messages vLLM cannot read (HTTP 500)
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
         vllm_config = build_vllm_config(vllm_args, model_info)
         check_vllm_server_args(vllm_args)

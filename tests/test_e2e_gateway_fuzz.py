@@ -43,3 +43,19 @@ def test_no_route_answers_with_a_server_error(gateway_url):
         except Exception as e:  # noqa: BLE001 - collect every route's failure, then report them all
             failures.append(f"{operation.method.upper()} {operation.path}: {e}")
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("earlier", [
+    {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+    {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed", "content": []},
+], ids=["refusal-part", "no-parts"])
+def test_responses_input_with_an_earlier_assistant_message_vllm_cannot_read_is_served(gateway_url, earlier):
+    # Found by the fuzzer: vLLM 0.32 read only content[0].text of such a message (HTTP 500);
+    # gateway/responses_input.py hands it the message's parts as one text.
+    import httpx
+
+    response = httpx.post(f"{gateway_url}/v1/responses", timeout=60, json={
+        "model": "SmolLM2-135M-Instruct", "max_output_tokens": 4,
+        "input": [earlier, {"role": "user", "content": "And now?"}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] in {"completed", "incomplete"}  # 4 tokens may cut it short
