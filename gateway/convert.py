@@ -43,6 +43,9 @@ FINISH_REASONS: dict[int, FinishReason | None] = {
 }
 
 
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # engine.proto's int32 fields (priority)
+
+
 def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
     """Why engine.proto cannot carry this request (a message for the user), or None.
 
@@ -67,6 +70,8 @@ def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
             return "images whose placeholders are not all embeddings are not supported by ttserve yet"
     if request.lora_request is not None:
         return "LoRA adapters are not supported by ttserve yet"
+    if not INT32_MIN <= request.priority <= INT32_MAX:
+        return f"priority {request.priority} is out of range: it must lie in [{INT32_MIN}, {INT32_MAX}]"
     unsupported = [name for name, is_set in (
         ("logprob_token_ids", sp.logprob_token_ids is not None),
         ("prompt_logprob_token_ids", sp.prompt_logprob_token_ids is not None),

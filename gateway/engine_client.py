@@ -265,7 +265,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
         session = self._session
         if session is None:
             raise self._refused(request_id, ControlPlaneUnavailable(self.unreachable_message))
-        message = engine_pb2.ClientMessage(add=convert.to_add_request(request, **self.grammar_options))
+        try:
+            message = engine_pb2.ClientMessage(add=convert.to_add_request(request, **self.grammar_options))
+        except (ValueError, TypeError) as e:  # a value engine.proto's field cannot hold
+            raise self._refused(request_id, RequestRefused(f"the request cannot be sent to the control "
+                                                           f"plane: {e}")) from None
         reason = convert.too_large(message.add)
         if reason is not None:
             raise self._refused(request_id, RequestRefused(reason))
