@@ -814,7 +814,12 @@ def test_dockerfile(service):
     assert len(healthchecks) == 1 and "urllib.request" in healthchecks[0], healthchecks
     env = " ".join(final.all("ENV"))
     url = re.search(r"TTSERVE_HEALTH_URL=(\S+)", env).group(1)
-    assert re.fullmatch(rf"http://127\.0\.0\.1:{HTTP_PORT[service]}/(health|ready)", url), url
+    scheme = "https" if service == "gateway" else "http"  # the gateway's default CMD serves HTTPS
+    assert re.fullmatch(rf"{scheme}://127\.0\.0\.1:{HTTP_PORT[service]}/(health|ready)", url), url
+    # The default command is one the service accepts, with mutual TLS from /run/secrets.
+    args = parse_service_args(service, json.loads(final.all("CMD")[-1]))
+    assert args.host == "0.0.0.0" and args.ssl_ca_certs == "/run/secrets/ca.crt" and not args.insecure
+    assert args.ssl_certfile == f"/run/secrets/{service}.crt"
     # Exec-form entrypoint, so SIGTERM reaches ttserve and starts the drain.
     entrypoint = json.loads(final.all("ENTRYPOINT")[0])
     assert entrypoint == ["ttserve", service]
