@@ -31,6 +31,7 @@ class WorkerError(RuntimeError):
 class WorkerLink:
     def __init__(self, address: str, tls: Tls = PLAINTEXT) -> None:
         self.address = address
+        self._tls = tls
         self._channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self._stub = device_pb2_grpc.DeviceStub(self._channel)
         self._stream: grpc.aio.StreamStreamCall | None = None
@@ -42,7 +43,7 @@ class WorkerLink:
                                           timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise WorkerError(f"worker at {self.address} is unreachable: {e.details()}"
-                              f"{handshake_hint(e.details())}") from e
+                              f"{handshake_hint(e.details(), self._tls)}") from e
         check_peer_version(d.protocol_version, f"the worker at {self.address}")
         return description_from_pb(d, self.address)
 

@@ -21,7 +21,7 @@ import grpc
 
 from ttserve.gateway.readiness import describe_workers
 from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS, ProtocolMismatch, check_peer_version, host_port
-from ttserve.tls import PLAINTEXT, handshake_hint, open_channel
+from ttserve.tls import PLAINTEXT, Tls, handshake_hint, open_channel
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ttserve.gateway")
@@ -33,7 +33,7 @@ class StartupError(RuntimeError):
 
 # ---- the control plane ---------------------------------------------------------------------
 async def contact_control_plane(stub: engine_pb2_grpc.EngineStub, target: str,
-                                timeout: float) -> engine_pb2.ServerInfo:
+                                timeout: float, tls: Tls = PLAINTEXT) -> engine_pb2.ServerInfo:
     """First contact: the control plane's ServerInfo, retried while it is unreachable."""
     deadline = time.monotonic() + timeout
     while True:
@@ -47,7 +47,7 @@ async def contact_control_plane(stub: engine_pb2_grpc.EngineStub, target: str,
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
                     or time.monotonic() >= deadline:
                 raise StartupError(f"control plane at {target} is unreachable: "
-                                   f"{e.code().name}: {e.details()}{handshake_hint(e.details())}") from None
+                                   f"{e.code().name}: {e.details()}{handshake_hint(e.details(), tls)}") from None
             await asyncio.sleep(0.25)
     try:
         check_peer_version(info.protocol_version, f"the control plane at {target}")
@@ -248,10 +248,11 @@ def check_vllm_server_args(vllm_args: argparse.Namespace) -> None:
 async def discover(args: argparse.Namespace) -> tuple[str, engine_pb2.ModelInfo]:
     """Contact the control plane, wait until it is ready; the model folder and its limits."""
     target = args.control
-    channel = open_channel(target, getattr(args, "tls", PLAINTEXT), CHANNEL_OPTIONS)
+    tls = getattr(args, "tls", PLAINTEXT)
+    channel = open_channel(target, tls, CHANNEL_OPTIONS)
     try:
         stub = engine_pb2_grpc.EngineStub(channel)
-        info = await contact_control_plane(stub, target, args.connect_timeout)
+        info = await contact_control_plane(stub, target, args.connect_timeout, tls)
         log.info("control plane at %s: ttserve %s, protocol %d, %s", target, info.version,
                  info.protocol_version, describe_workers(info))
         await wait_until_ready(stub, target, info, args.ready_timeout)

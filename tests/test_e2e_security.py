@@ -163,6 +163,34 @@ def test_a_client_with_a_certificate_of_the_ca_is_served(secure, target):
         assert _describe_or_info(address, channel, target).version
 
 
+def test_a_gateway_without_a_certificate_stops_at_start_up_saying_why(secure):
+    done = subprocess.run([sys.executable, "-m", "ttserve.gateway", "--port", str(free_port()), "--control",
+                           secure.control, "--ssl-ca-certs", str(secure.ca), "--connect-timeout", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"control plane at {secure.control} is unreachable" in done.stderr
+    assert "this side presented no certificate (--ssl-certfile/--ssl-keyfile)" in done.stderr
+
+
+def test_a_control_plane_link_refused_by_the_worker_names_tls(secure):
+    import asyncio
+
+    from ttserve.control.worker_link import WorkerError, WorkerLink
+
+    async def describe(tls) -> str:
+        link = WorkerLink(secure.worker, tls)
+        try:
+            await link.describe(timeout=5)
+        except WorkerError as e:
+            return str(e)
+        finally:
+            await link.close()
+        return "served"
+
+    assert "presented no certificate" in asyncio.run(describe(secure.tls()))
+    assert "presented its --ssl-certfile" in asyncio.run(describe(secure.tls(secure.rogue)))
+
+
 def test_the_rogue_certificate_differs_from_the_right_one_only_in_its_ca(secure):
     """So the refusal above is certificate verification, not the name: the rogue names "control"."""
     from cryptography import x509

@@ -176,13 +176,20 @@ def open_blocking_channel(target: str, tls: Tls, options: Sequence[tuple[str, ob
     return grpc.secure_channel(target, credentials, options=options)
 
 
-def handshake_hint(details: str | None) -> str:
-    """A sentence to append to a call's failure when it failed in the TLS handshake."""
-    text = (details or "").lower()
-    if "handshake" not in text and "ssl" not in text and "certificate" not in text:
+def handshake_hint(details: str | None, tls: Tls) -> str:
+    """A sentence to append to a failed call's details when TLS is the likely cause. A server that
+    refuses our certificate (or our lack of one) just closes the connection, so over TLS a closed
+    socket gets the hint too."""
+    if not tls.calls_tls:
         return ""
-    return (" (the TLS handshake failed: each side's --ssl-ca-certs must have signed the other's "
-            "--ssl-certfile, and the certificate must name the address called)")
+    text = (details or "").lower()
+    if not any(word in text for word in ("handshake", "ssl", "certificate", "socket closed")):
+        return ""
+    presented = ("this side presented its --ssl-certfile" if tls.serves_tls else
+                 "this side presented no certificate (--ssl-certfile/--ssl-keyfile)")
+    return (f" (TLS: {presented}; a peer with --ssl-ca-certs refuses one its CA did not sign, and this "
+            "side's --ssl-ca-certs must have signed the peer's certificate, which must name the "
+            "address dialled)")
 
 
 def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
