@@ -303,3 +303,56 @@ def test_plain_http_to_the_https_port_gets_no_answer(secure):
     with pytest.raises(httpx.HTTPError):
         httpx.get(secure.url.replace("https://", "http://") + "/v1/models",
                   headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=10)
+
+
+# ---- the deploy/ layout: one certificate per service, made by deploy/make-certs.sh ---------------
+
+def test_services_with_their_own_make_certs_certificates_serve_end_to_end(tmp_path, smollm2):
+    """As deploy/ runs them: each service its own process and certificate (CN = its name), the
+    worker admitting only the control plane's identity, the gateway's key from make-certs.sh."""
+    from stack import Service, require_tool
+
+    require_tool("openssl")
+    tls_dir = tmp_path / "tls"
+    made = subprocess.run(["bash", str(Path(__file__).parent.parent / "deploy" / "make-certs.sh"), str(tls_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+
+    def flags(name: str) -> list[str]:
+        return ["--ssl-certfile", str(tls_dir / f"{name}.crt"), "--ssl-keyfile", str(tls_dir / f"{name}.key"),
+                "--ssl-ca-certs", str(tls_dir / "ca.crt")]
+
+    worker_port, control_port, http_port = free_port(), free_port(), free_port()
+    services = [
+        Service("worker", ["ttserve.worker", "--port", str(worker_port), "--metrics-port", "0", "--model", str(smollm2),
+                           *SIM_WORKER, *flags("worker"), "--control-identity", "control"], tmp_path / "worker.log"),
+        Service("control", ["ttserve.control", "--port", str(control_port), "--metrics-port", "0",
+                            "--worker", f"127.0.0.1:{worker_port}", *flags("control")], tmp_path / "control.log"),
+        Service("gateway", ["ttserve.gateway", "--port", str(http_port), "--control", f"127.0.0.1:{control_port}",
+                            *flags("gateway"), "--api-key-file", str(tls_dir / "api-key")], tmp_path / "gateway.log")]
+    url = f"https://127.0.0.1:{http_port}"
+    context = ssl.create_default_context(cafile=str(tls_dir / "ca.crt"))
+    try:
+        for service in services:
+            service.start()
+        deadline = time.monotonic() + 300
+        while True:
+            dead = [s for s in services if not s.alive()]
+            assert not dead, "\n".join(f"--- {s.name}\n{s.output()[-3000:]}" for s in services)
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2, context=context):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "\n".join(s.output()[-3000:] for s in services)
+                time.sleep(0.5)
+        key = (tls_dir / "api-key").read_text().strip()
+        with httpx.Client(verify=context, timeout=60) as http:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, http_client=http, max_retries=0)
+            reply = client.chat.completions.create(model=smollm2.name, max_tokens=5,
+                                                   messages=[{"role": "user", "content": "Hello"}])
+            assert reply.choices[0].message.content is not None and reply.usage.completion_tokens >= 1
+            assert http.get(f"{url}/v1/models").status_code == 401
+    finally:
+        for service in reversed(services):
+            service.stop()
+    assert "worker listening on 127.0.0.1" in services[0].output() and "(mutual TLS)" in services[0].output()
