@@ -51,7 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="a worker holding a step this long without a result is reported stalled")
+                   help="a worker holding a step this long without a result is stalled: it is "
+                        "treated as lost (its requests migrate, see --migration-limit) and taken back "
+                        "once it answers again")
+    g.add_argument("--warmup-timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="how long one warmup of a worker may take (weights, KV cache, compiles and "
+                        "trace captures) before the control plane gives up and reconnects")
     g.add_argument("--max-num-queued-reqs", type=int, default=1024, metavar="N",
                    help="requests waiting (over all lanes and workers) beyond which new ones are refused "
                         "with RESOURCE_EXHAUSTED (HTTP 503 with Retry-After): bounds memory and queueing "
@@ -87,6 +92,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--worker lists an address twice: {' '.join(workers)}")
     if args.stall_timeout <= 0:
         raise ConfigError(f"--stall-timeout must be positive seconds, got {args.stall_timeout}")
+    if args.warmup_timeout <= 0:
+        raise ConfigError(f"--warmup-timeout must be positive seconds, got {args.warmup_timeout}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     if not 0 <= args.metrics_port <= 65535:
@@ -111,6 +118,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         async_scheduling=args.async_scheduling,
                         max_consecutive_prefills=args.max_consecutive_prefill_steps,
                         tokenizer=args.tokenizer, stall_timeout_s=args.stall_timeout,
+                        warmup_timeout_s=args.warmup_timeout,
                         max_num_queued_reqs=args.max_num_queued_reqs,
                         migration_limit=args.migration_limit, migration_timeout_s=args.migration_timeout)
 

@@ -19,7 +19,8 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: whenever the worker supports async decode
     reconnect_interval_s: float = 1.0
     tokenizer: str = ""               # for grammars; "" = the first worker's model folder
-    stall_timeout_s: float = 60.0     # a step in flight this long without a result: stalled
+    stall_timeout_s: float = 60.0     # a step in flight this long without a result: stalled, lost
+    warmup_timeout_s: float = 1800.0  # one Warmup call, end to end
     max_num_queued_reqs: int = 1024   # waiting requests (all lanes) beyond which arrivals are refused
     migration_limit: int = 3          # times a request may move off a lost worker
     migration_timeout_s: float = 120.0  # how long a migrating request may wait for a ready worker

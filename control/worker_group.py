@@ -117,8 +117,8 @@ class WorkerGroup:
     @property
     def state(self) -> str:
         if self.stalled_since is not None:
-            return (f"stalled: a step has been in flight for "
-                    f"{time.monotonic() - self.stalled_since:.0f} s")
+            return (f"stalled: no step result for {time.monotonic() - self.stalled_since:.0f} s; its "
+                    f"requests moved, and it is taken back once it answers ({self.not_ready_reason})")
         return "serving" if self.ready else self.not_ready_reason
 
     def totals(self) -> LaneTotals:
@@ -192,10 +192,15 @@ class WorkerGroup:
                         "%d to max_model_len %d", batched, max_model_len)
             batched = max_model_len
         self.not_ready_reason = f"worker at {link.address} is warming up"
-        async for progress in link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched):
+        async for progress in link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched,
+                                          self.config.warmup_timeout_s):
             self.warmup_progress = progress.fraction
             self._warm = progress.description
         self._batched, self._num_lanes = batched, num_lanes
+        if self.stalled_since is not None:
+            log.warning("worker %s at %s is back %.0f s after it stalled", self.index, self.address,
+                        time.monotonic() - self.stalled_since)
+            self.stalled_since = None
         return self._warm
 
     def start(self, max_model_len: int) -> None:
@@ -218,9 +223,8 @@ class WorkerGroup:
             self._retired.add(self.lane_group)
         self.lane_group = self._warm = None
         self.connected = False
-        self.stalled_since = None
         self.warmup_progress = 0.0
-        return held
+        return held  # a stall outlives the link: it ends when the worker warms up again (connect)
 
     async def close(self) -> None:
         if self._link is not None:
@@ -326,31 +330,26 @@ class WorkerGroup:
         in_flight.append((plan, pipelined, now))
 
     async def _receive(self, link: WorkerLink) -> StepOutcome:
-        """The next result. A worker that holds a step for --stall-timeout is reported stalled
-        (logged, exported) and waited for: a long first compile or a wedged device look alike
-        from here, and only the operator can tell which."""
+        """The next result. A worker that holds a step for --stall-timeout is stalled (logged,
+        exported) and lost: its requests migrate rather than wait on a device that may never
+        answer, and the worker is taken back once it warms up again. Its step runs on there to
+        its end; nothing it returns is applied, so no token is lost or doubled."""
         receive = asyncio.ensure_future(link.receive())
         waiting_since = time.monotonic()
         try:
-            while True:
-                done, _ = await asyncio.wait({receive}, timeout=self.config.stall_timeout_s)
-                if done:
-                    break
-                if self.stalled_since is None:
-                    self.stalled_since = waiting_since
-                    self.metrics.stalls.labels(str(self.index)).inc()
-                    lanes = self.lane_group.lanes if self.lane_group is not None else []
-                    log.error("worker %s at %s stalled: no step result for %.0f s with %d request(s) "
-                              "on it (see --stall-timeout)", self.index, self.address,
-                              self.config.stall_timeout_s, sum(len(lane.running) for lane in lanes))
+            done, _ = await asyncio.wait({receive}, timeout=self.config.stall_timeout_s)
         finally:
             receive.cancel()
-        outcome = receive.result()
-        if self.stalled_since is not None:
-            log.warning("worker %s at %s recovered after a %.0f s stall", self.index, self.address,
-                        time.monotonic() - self.stalled_since)
-            self.stalled_since = None
-        return outcome
+        if not done:
+            self.stalled_since = waiting_since
+            self.metrics.stalls.labels(str(self.index)).inc()
+            lanes = self.lane_group.lanes if self.lane_group is not None else []
+            held = sum(len(lane.running) + lane.num_waiting for lane in lanes)
+            log.error("worker %s at %s stalled: no step result for %.0f s with %d request(s) on it "
+                      "(see --stall-timeout)", self.index, self.address, self.config.stall_timeout_s, held)
+            raise WorkerError(f"worker at {self.address} stalled: no step result for "
+                              f"{self.config.stall_timeout_s:g} s (--stall-timeout)")
+        return receive.result()
 
     @staticmethod
     def _drain_reason(group: LaneGroup) -> str:

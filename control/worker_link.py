@@ -48,15 +48,16 @@ class WorkerLink:
         return description_from_pb(d, self.address)
 
     async def warmup(self, num_lanes: int, max_num_seqs: int, max_model_len: int,
-                     max_num_batched_tokens: int) -> AsyncIterator[WarmupProgress]:
+                     max_num_batched_tokens: int, timeout: float) -> AsyncIterator[WarmupProgress]:
         """Warm the worker up for this configuration, yielding its progress; the last item
-        carries the warm worker's description."""
+        carries the warm worker's description. The whole call is bounded by `timeout`
+        (--warmup-timeout)."""
         request = device_pb2.WarmupRequest(num_lanes=num_lanes, max_num_seqs=max_num_seqs,
                                            max_model_len=max_model_len,
                                            max_num_batched_tokens=max_num_batched_tokens)
         started = time.monotonic()
         try:
-            async for progress in self._stub.Warmup(request, metadata=CALL_METADATA):
+            async for progress in self._stub.Warmup(request, metadata=CALL_METADATA, timeout=timeout):
                 log.info("worker %s warmup: %s %d/%d %s", self.address, progress.phase,
                          progress.completed, progress.total, progress.detail)
                 if progress.done:
@@ -65,6 +66,9 @@ class WorkerLink:
                     return
                 yield WarmupProgress(progress.completed / progress.total if progress.total else 0.0)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise WorkerError(f"worker at {self.address} did not finish warmup within "
+                                  f"--warmup-timeout {timeout:g} s") from e
             raise WorkerError(f"worker at {self.address} failed warmup: {e.code().name}: {e.details()}") from e
         raise WorkerError(f"worker at {self.address} ended warmup without reporting done")
 

@@ -51,6 +51,8 @@ from ttserve.tls import PLAINTEXT, Tls, open_channel  # noqa: E402
 from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("ttserve.gateway.engine_client")
+# How long a request waits for the control plane's verdict (it answers without waiting on workers).
+ADMISSION_TIMEOUT_S = 30.0
 
 Verdict = engine_pb2.Admission
 
@@ -271,12 +273,18 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._tracks[request_id] = convert.RequestTrack.of(request)
         session.send(message)
         try:
-            admission = await future
-        except asyncio.CancelledError:  # the HTTP client went away before the verdict
+            # The control plane answers at once (admission never waits on a device): no verdict
+            # within the bound means it is wedged, and the client gets a 503 saying so.
+            admission = await asyncio.wait_for(future, ADMISSION_TIMEOUT_S)
+        except (asyncio.CancelledError, TimeoutError) as e:  # the HTTP client went away, or no verdict
             self._verdicts.pop(request_id, None)
             if self._tracks.pop(request_id, None) is not None and session is self._session:
                 session.send(engine_pb2.ClientMessage(
                     abort=engine_pb2.AbortRequests(request_ids=[request_id])))
+            if isinstance(e, TimeoutError):
+                raise self._refused(request_id, ControlPlaneUnavailable(
+                    f"the control plane at {self.target} did not answer the request's admission "
+                    f"within {ADMISSION_TIMEOUT_S:g} s")) from None
             self.on_request_dropped(request_id)
             raise
         except ControlPlaneUnavailable as e:

@@ -66,6 +66,36 @@ def test_a_killed_workers_requests_finish_on_the_other_worker_with_the_same_toke
         stack.stop()
 
 
+def test_a_stalled_workers_requests_finish_on_the_other_worker_while_it_is_stopped(tmp_path, smollm2):
+    stack = start_stack(tmp_path, str(smollm2), gateway=False, workers=2, worker_flags=WORKER_FLAGS,
+                        control_flags=("--stall-timeout", "3"))
+    client = ControlClient(stack.control_address)
+    stalled = stack.services[0]
+    try:
+        client.add("reference", PROMPT, MAX_TOKENS, eos_token_ids=())
+        reference = client.collect({"reference"})["reference"]
+        client.add("moved", PROMPT, MAX_TOKENS, eos_token_ids=())
+        head = stream(client, "moved", 8)
+        assert head.placements == {(0, 0)} and not head.finish_reason
+        stalled.proc.send_signal(signal.SIGSTOP)  # alive, holding its step, answering nothing
+        try:
+            result = rest(client, "moved", head)
+            assert result.finish_reason == FINISH.FINISH_REASON_LENGTH, result.error
+            assert result.token_ids == reference.token_ids  # nothing lost, nothing twice
+            assert (1, 0) in result.placements
+            assert metric(stack.control_metrics_url, "ttserve_worker_stalled", worker="0") == 1
+        finally:
+            stalled.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: metric(stack.control_metrics_url, "ttserve_worker_stalled", worker="0") == 0
+                   and metric(stack.control_metrics_url, "ttserve_worker_ready", worker="0") == 1, 60,
+                   "the stalled worker to be taken back")
+        client.add("after", PROMPT, 4, eos_token_ids=())
+        assert client.collect({"after"})["after"].finish_reason == FINISH.FINISH_REASON_LENGTH
+    finally:
+        client.close()
+        stack.stop()
+
+
 def test_a_sole_worker_restarted_takes_its_requests_back(tmp_path, smollm2):
     # One row: "queued" waits in the lane's queue while "paused" runs, and is lost waiting.
     stack = start_stack(tmp_path, str(smollm2), gateway=False, worker_flags=WORKER_FLAGS,

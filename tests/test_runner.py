@@ -121,24 +121,25 @@ def test_sim_prefill_cost_interpolates_the_published_points():
 
 
 def _run_penalised(r: ModelRunner, steps: int, resume_after: int | None = None,
-                   **penalties) -> tuple[list[int], list]:
-    """Greedy decode of PROMPTS["greedy"] with penalties and 3 logprobs; `resume_after` tokens
-    in, the request is released and re-added as a resumed one (prompt + outputs prefilled
-    again, its history resent as the control plane does)."""
+                   sampling: tuple = (0.0, 1.0, 0, None), **penalties) -> tuple[list[int], list]:
+    """Decode of PROMPTS["greedy"] (greedy unless `sampling` = temperature, top_p, top_k, seed
+    says otherwise), with `penalties` and 3 logprobs if any are given; `resume_after` tokens in,
+    the request is released and re-added as a resumed one (prompt + outputs prefilled again, its
+    history resent as the control plane does)."""
     prompt = PROMPTS["greedy"]
 
-    def host(outputs: list[int]) -> HostSampling:
+    def host(outputs: list[int]) -> HostSampling | None:
         return HostSampling(logprobs=3, prompt_token_ids=list(prompt), output_token_ids=list(outputs),
-                            **penalties)
+                            **penalties) if penalties else None
 
-    new = NewRequest("p", 0, 2, 0.0, 1.0, 0, None, host=host([]))
+    new = NewRequest("p", 0, 2, *sampling, host=host([]))
     result = r.execute(StepBatch(1, "prefill", new_requests=[new],
                                  prefill=[PrefillChunk("p", prompt, 0, [4], True)]))
     out, results = [result.tokens["p"]], [result]
     step = 2
     while len(out) < steps:
         if len(out) == resume_after:
-            new = NewRequest("p", 0, 3, 0.0, 1.0, 0, None, num_output_tokens=len(out), host=host(out))
+            new = NewRequest("p", 0, 3, *sampling, num_output_tokens=len(out), host=host(out))
             result = r.execute(StepBatch(step, "prefill", new_requests=[new], released_ids=["p"],
                                          prefill=[PrefillChunk("p", prompt + out, 0, [5], True)]))
         else:
@@ -165,6 +166,18 @@ def test_host_options_send_the_batch_to_the_host_and_return_logprobs(smollm2):
 def test_a_resumed_request_rebuilds_its_token_history_instead_of_doubling_it(smollm2, penalties):
     straight, _ = _run_penalised(runner(smollm2)[0], 10, **penalties)
     assert _run_penalised(runner(smollm2)[0], 10, resume_after=4, **penalties)[0] == straight
+
+
+@pytest.mark.parametrize("mode", ["off", "all"])
+def test_a_resumed_seeded_request_goes_on_with_the_tokens_of_an_uninterrupted_run(smollm2, mode):
+    # Preempted, or migrated off a lost worker: its generator replays the draws it had made.
+    seeded = (1.0, 1.0, 0, 77)
+    straight, _ = _run_penalised(runner(smollm2, sample_on_device_mode=mode)[0], 12, sampling=seeded)
+    resumed, _ = _run_penalised(runner(smollm2, sample_on_device_mode=mode)[0], 12, resume_after=5,
+                                sampling=seeded)
+    assert resumed == straight
+    greedy, _ = _run_penalised(runner(smollm2)[0], 12)
+    assert straight != greedy  # really sampled
 
 
 def test_a_grammar_bitmask_sends_its_batch_to_the_host_and_masks_the_token(smollm2):

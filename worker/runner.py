@@ -20,7 +20,7 @@ from .batch import (DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingC
                     TokenLogprobs)
 from .device_api import Progress, TorchDevice
 from .options import async_decode_allowed, device_sampling, trace_flags
-from .sampling import SamplingBatch, gather_logprobs, sample
+from .sampling import SamplingBatch, draws, gather_logprobs, sample, seeded_generator
 from .step_check import Limits, check_batch
 
 log = logging.getLogger(__name__)
@@ -334,8 +334,10 @@ class ModelRunner:
     def _add(self, new: NewRequest) -> None:
         generator = None
         if new.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(new.seed)
+            # A resumed request (preempted, or migrated here) replays the draws of the tokens it
+            # already has, so it goes on as if it had never moved.
+            replay = new.num_output_tokens if draws(new.temperature, new.top_k) else 0
+            generator = seeded_generator(new.seed, self.device, replay)
         # new.host is None unless some host option is set (wire.py drops inactive ones).
         self._requests[new.request_id] = RequestState(
             new.row, new.temperature, new.top_p, new.top_k, generator, new.seed, new.min_tokens,

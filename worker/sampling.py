@@ -7,8 +7,10 @@ temperature, in vLLM's order (vllm/v1/sample/sampler.py), and `gather_logprobs` 
 that asked. The runner decides per batch which path a batch takes (DESIGN.md §3 "Sampling").
 
 Reproducibility rule: a request with a seed owns a `torch.Generator` that persists across its
-steps, and every step draws exactly one exponential per vocabulary entry from it, whatever the
-other rows of the batch are. So a seeded request yields the same tokens alone or in any batch.
+steps, and every sampled step draws exactly one uniform from it, whatever the other rows of the
+batch are. So a seeded request yields the same tokens alone or in any batch,
+and one that resumes elsewhere (preempted, or migrated off a lost worker) replays its draws
+(`seeded_generator`) and goes on with the tokens an uninterrupted run gives.
 """
 from __future__ import annotations
 
@@ -79,6 +81,27 @@ def _as_tensor(values: Sequence[float] | torch.Tensor, dtype: torch.dtype) -> to
     return torch.tensor(list(values), dtype=dtype)
 
 
+def draws(temperature: float, top_k: int) -> bool:
+    """Whether a row with these values draws from its generator when it samples (else greedy)."""
+    return temperature > 0 and top_k != 1
+
+
+def _uniform(generator: torch.Generator | None, rows: int = 1) -> torch.Tensor:
+    """[rows] float64 uniforms in [0, 1), on the host: one per sampled token."""
+    return torch.rand(rows, dtype=torch.float64, generator=generator)
+
+
+def seeded_generator(seed: int, device: torch.device, replay: int = 0) -> torch.Generator:
+    """A request's generator (on the host, where the draw is made), past the draws of the
+    `replay` tokens it sampled before it resumed here (one uniform each)."""
+    del device  # draws are made on the host whatever the model's device: the same tokens anywhere
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    if replay:
+        _uniform(generator, replay)
+    return generator
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Samples one token per row of `logits` [B, V]; returns [B] int64 on the logits' device.
 
@@ -97,7 +120,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
     temperature = _as_tensor(batch.temperature, torch.float32)
     top_k = _as_tensor(batch.top_k, torch.int64)
-    # top_k == 1 keeps only the argmax, whatever the temperature: greedy without drawing.
+    # top_k == 1 keeps only the argmax, whatever the temperature: greedy without drawing (`draws`).
     greedy = (temperature <= 0) | (top_k == 1)
     if bool(greedy.all()):
         out[:n] = logits[:n].argmax(dim=-1)
@@ -112,23 +135,25 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     idx = sampled_rows.to(logits.device)
     min_p = torch.tensor([h.min_p if h else 0.0 for h in batch.host], dtype=torch.float32)
     probs = _filtered_probs(
-        logits[idx].float(),
+        (logits if len(sampled_rows) == rows else logits[idx]).float(),
         temperature[sampled_rows].to(logits.device),
         top_k[sampled_rows].to(logits.device),
         _as_tensor(batch.top_p, torch.float32)[sampled_rows].to(logits.device),
         min_p[sampled_rows].to(logits.device),
     )
-    # Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i,
-    # and it lets each seeded row draw from its own generator without touching the others.
-    race = torch.empty_like(probs).exponential_()
+    u = _uniform(None, len(sampled_rows))
     for j, row in enumerate(sampled_rows.tolist()):
         gen = batch.generators[row]
         if gen is not None:
-            draw = torch.empty(vocab, dtype=torch.float32, device=gen.device)
-            race[j] = draw.exponential_(generator=gen).to(probs.device)
-    # A zero draw would turn 0/0 into NaN for a filtered-out token; keep draws positive.
-    race.clamp_(min=torch.finfo(race.dtype).tiny)
-    out[idx] = (probs / race).argmax(dim=-1)
+            u[j] = _uniform(gen)[0]
+    # Inverse CDF: the token where a row's cumulative probability first exceeds u * total, u
+    # uniform in [0, 1), has exactly the row's probability; a zero-probability token never
+    # owns an interval. One uniform per row (not one exponential per vocabulary entry, as the
+    # exponential race draws: 25 of 35 ms at 32 rows x 49,152 tokens on a 2-core Xeon). The
+    # cumulative sum is float64 so that u * total stays below the last entry.
+    cdf = probs.double().cumsum_(dim=-1)
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+    out[idx] = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
     return out
 
 

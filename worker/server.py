@@ -38,8 +38,8 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         self._stream_lock = asyncio.Lock()
         self._warmup_lock = asyncio.Lock()
         self.draining = False
-        self._stepping = False            # a step is executing on the device
-        self._last_step = 0.0             # loop time the last step ended
+        self._stepping = False            # a model call is executing on the device thread
+        self._last_step = 0.0             # time.monotonic() the last model call ended
         # Every model call (warmup, launch, finish) runs on this one thread. OpenMP keeps a
         # thread team per calling thread: spread over asyncio's default pool, each pool thread
         # that ever ran a step owns a team whose threads spin after every parallel region on the
@@ -47,7 +47,17 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
 
     async def _on_device(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._device_thread, self._run, fn, *args)
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # On the device thread. `_stepping` follows the device, not the RPC that asked: a step
+        # stream cancelled by its control plane (a stall) leaves its step running to the end.
+        self._stepping = True
+        try:
+            return fn(*args)
+        finally:
+            self._stepping = False
+            self._last_step = time.monotonic()
 
     @property
     def ready(self) -> bool:
@@ -66,12 +76,11 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         finishes before this returns."""
         self.draining = True
         self.metrics.draining.set(1)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             if not self._stream_lock.locked():
                 break
-            if not self._stepping and loop.time() - self._last_step >= idle_s:
+            if not self._stepping and time.monotonic() - self._last_step >= idle_s:
                 break
             await asyncio.sleep(0.05)
         else:
@@ -154,6 +163,12 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         started = time.monotonic()
         async with self._warmup_lock:
             warm_already = self.runner.config is not None
+            if self._stepping:
+                # A step of an earlier stream (one its control plane gave up on as stalled) still
+                # holds the device; warmup queues behind it on the device thread.
+                yield device_pb2.WarmupProgress(
+                    phase="wait", completed=0, total=1,
+                    detail="a step of an earlier step stream is still running on the device")
             task = asyncio.create_task(self._on_device(self.runner.warmup, config, progress))
             while not task.done() or not updates.empty():
                 getter = asyncio.create_task(updates.get())
@@ -182,13 +197,12 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         if self._stream_lock.locked():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "this worker already serves a step stream (one control plane per worker)")
-        loop = asyncio.get_running_loop()
         async with self._stream_lock:
-            self.runner.reset()
+            # On the device thread: behind any step an earlier, cancelled stream left running.
+            await self._on_device(self.runner.reset)
             async for pb in batches:
                 received = time.perf_counter()
                 batch = batch_from_pb(pb)
-                self._stepping = True
                 try:
                     # The runner holds a pipelined decode until the next batch is launched.
                     results = await self._on_device(self.runner.step, batch, received)
@@ -196,9 +210,6 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     log.exception("step %d failed", pb.step_id)
                     yield device_pb2.StepResult(step_id=pb.step_id, error=f"{type(e).__name__}: {e}")
                     return
-                finally:
-                    self._stepping = False
-                    self._last_step = loop.time()
                 for result in results:
                     self.metrics.step(result.kind, result)
                     yield result_to_pb(result)

@@ -27,6 +27,7 @@ The contract is the one tt-metal's models expose to serving systems
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,10 +40,13 @@ from safetensors import safe_open
 
 from ttserve.worker.sampling import SamplingBatch, sample
 
-from . import paged_kv
+from . import cpu_kernels, paged_kv
 from .decode_graph import DecodeGraph
 from .linear import Linear, SwiGLU
 from .paged_kv import KVCache
+
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -192,8 +196,23 @@ class _Step:
     writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # lane -> (flat, blk, off)
 
 
+@dataclass(slots=True)
+class _Packed:
+    """Index plan of one forward call on the CPU kernels' path: the step's real tokens packed
+    back to back ([T], no padding), rows grouped by lane."""
+
+    tokens: torch.Tensor        # [T] token ids
+    positions: torch.Tensor     # [T] absolute positions
+    last: torch.Tensor          # [B] index in T of each row's last token (in the caller's row order)
+    lanes: list[tuple[int, cpu_kernels.Attention]]
+
+
 class TorchLlamaForCausalLM:
-    """Llama-family decoder in plain torch, driven through the tt-metal generator contract."""
+    """Llama-family decoder in plain torch, driven through the tt-metal generator contract.
+
+    On a CPU in 16 bits, norms, RoPE and paged attention run vLLM CPU's compiled kernels when
+    they are installed (worker/models/cpu_kernels.py): the KV cache then takes their layout and
+    every forward packs its tokens without padding. Otherwise, and always in float32, plain torch."""
 
     model_capabilities = {
         "supports_prefix_caching": True,
@@ -222,7 +241,10 @@ class TorchLlamaForCausalLM:
         # table saves rotate_half's negation and concatenation in every layer.
         half = emb.shape[-1] // 2
         self._sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1).to(device, dtype)
+        # The kernels' RoPE table: cos of each frequency, then its sin ([max_seq_len, head_dim]).
+        self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device, dtype)
         self._decode_graph: DecodeGraph | None = None
+        self.kernel_isa = ""  # set by allocate_kv_cache when the CPU kernels serve this model
 
     @classmethod
     def initialize_vllm_model(cls, hf_config: Any, mesh_device: torch.device, max_batch_size: int,
@@ -290,6 +312,15 @@ class TorchLlamaForCausalLM:
                              f"num_kv_heads={self.shape.num_kv_heads}, head_dim={self.shape.head_dim}")
         if num_layers != self.shape.num_layers:
             raise ValueError(f"num_layers={num_layers}, the model has {self.shape.num_layers}")
+        why = (f"the KV cache's {dtype} is not the model's {self.dtype}" if dtype != self.dtype else
+               cpu_kernels.unavailable(self.device, dtype, block_size, head_dim, self.shape.sliding_window))
+        if not why:
+            self.kernel_isa = cpu_kernels.isa(dtype, block_size, head_dim)
+            log.info("attention, norms and RoPE run vLLM CPU's kernels (%s)", self.kernel_isa)
+            return cpu_kernels.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim, dtype)
+        self.kernel_isa = ""
+        if self.device.type == "cpu" and dtype != torch.float32:
+            log.info("attention, norms and RoPE run plain torch: %s", why)
         return paged_kv.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim,
                                  dtype, self.device)
 
@@ -325,9 +356,8 @@ class TorchLlamaForCausalLM:
                 "tokens[i, start_pos[i]:prompt_lens[i]])")
         chunk = max(int((end - start).max()), 1)
         cols = (start[:, None] + torch.arange(chunk)).clamp(max=tokens.shape[1] - 1)
-        step = self._plan(tokens.cpu().long().gather(1, cols), start, end, page_table,
-                          [s // self.max_batch_size for s in slots], kv_cache)
-        logits = self._forward(step, kv_cache)
+        logits = self._run(tokens.cpu().long().gather(1, cols), start, end, page_table,
+                           [s // self.max_batch_size for s in slots], kv_cache)
         if sampling_params is not None:
             return sample(logits, sampling_params)
         return logits.unsqueeze(1)
@@ -355,10 +385,9 @@ class TorchLlamaForCausalLM:
             # Only active rows are computed: on a CPU every empty row would be a full forward
             # pass of wasted arithmetic.
             start = pos[live]
-            step = self._plan(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
-                              page_table.cpu()[live], [int(r) // self.max_batch_size for r in live],
-                              kv_cache)
-            logits = self._forward(step, kv_cache)
+            logits = self._run(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
+                               page_table.cpu()[live], [int(r) // self.max_batch_size for r in live],
+                               kv_cache)
         live_dev = live.to(logits.device)
         if sampling_params is not None:
             out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
@@ -454,6 +483,83 @@ class TorchLlamaForCausalLM:
         return _Step(tokens=tokens, positions=at.clamp(max=self.max_seq_len - 1)[:, None],
                      last=torch.zeros(rows, dtype=torch.long, device=dev), masks=masks, lanes=lanes,
                      block_table=table, writes=writes)
+
+    def _run(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+             page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> torch.Tensor:
+        """Float32 logits [B, vocab] of each row's last token of chunk_tokens [B, S] (row i
+        computes positions start[i]..end[i]), on the kernels' path when the cache is theirs."""
+        if self.kernel_isa and _kernel_layout(kv_cache):
+            return self._forward_packed(self._pack(chunk_tokens, start, end, page_table, lane_of_row,
+                                                   kv_cache), kv_cache)
+        return self._forward(self._plan(chunk_tokens, start, end, page_table, lane_of_row, kv_cache), kv_cache)
+
+    def _pack(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Packed:
+        """The packed plan: row i's real tokens chunk_tokens[i, :end[i] - start[i]], rows in
+        lane order (each lane's tokens one contiguous range), with each token's cache slot."""
+        batch = chunk_tokens.shape[0]
+        cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
+        if batch and int(end.max()) > self.max_seq_len:
+            raise ValueError(f"position {int(end.max()) - 1} is beyond max_seq_len={self.max_seq_len}")
+        if max(lane_of_row, default=0) >= self.lanes:
+            raise ValueError(f"a row maps to lane {max(lane_of_row)}; the model has {self.lanes}")
+        s = self.shape
+        pt = page_table.cpu().long()[:batch]
+        lane_rows = torch.tensor(lane_of_row, dtype=torch.long)
+        lens = (end - start).clamp(min=0)
+        order = torch.argsort(lane_rows, stable=True) if self.lanes > 1 else torch.arange(batch)
+        lens_o = lens[order]
+        first = torch.cumsum(lens_o, 0) - lens_o  # each ordered row's first token in T
+        row_of = torch.repeat_interleave(order, lens_o)
+        within = torch.arange(int(lens_o.sum())) - torch.repeat_interleave(first, lens_o)
+        positions = start[row_of] + within
+        last = torch.empty(batch, dtype=torch.long)
+        last[order] = (first + lens_o - 1).clamp(min=0)
+        lanes = []
+        lane_o = lane_rows[order]
+        for lane in sorted(set(lane_of_row)):
+            mine = (lane_o == lane).nonzero().flatten()
+            rows = order[mine]
+            lo, hi = int(first[mine[0]]), int(first[mine[-1]] + lens_o[mine[-1]])
+            table = _block_table(pt[rows], end[rows], block_size, cache_blocks)
+            pos = positions[lo:hi]
+            slots = pt[row_of[lo:hi], pos // block_size] * block_size + pos % block_size
+            lanes.append((lane, cpu_kernels.Attention.plan(
+                lo, hi, slots, lens[rows], end[rows], table, s.num_heads, s.num_kv_heads, s.head_dim,
+                self.dtype, self.kernel_isa)))
+        return _Packed(chunk_tokens[row_of, within], positions, last, lanes)
+
+    def _forward_packed(self, step: _Packed, kv_cache: KVCache) -> torch.Tensor:
+        """The kernels' forward: a residual stream, each RMSNorm fused with the add before it."""
+        eps = self.shape.rms_norm_eps
+        residual = F.embedding(step.tokens, self.embed)
+        h = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            a = self._attention_packed(layer, h, step, kv_cache, i)
+            cpu_kernels.add_rms_norm(a, residual, layer.post_norm, eps)
+            h = layer.mlp(a)
+            cpu_kernels.add_rms_norm(h, residual, next_norm, eps)
+        return self.lm_head(h[step.last]).float()
+
+    def _attention_packed(self, layer: _Layer, h: torch.Tensor, step: _Packed, kv_cache: KVCache,
+                          index: int) -> torch.Tensor:
+        s = self.shape
+        tokens = h.shape[0]
+        q_width, kv_width = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        qkv = layer.qkv(h)
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        if layer.q_norm is not None:
+            q = _rms_norm(q.reshape(tokens, s.num_heads, s.head_dim), layer.q_norm, s.rms_norm_eps).flatten(1)
+            k = _rms_norm(k.reshape(tokens, s.num_kv_heads, s.head_dim), layer.k_norm, s.rms_norm_eps).flatten(1)
+        cpu_kernels.rope(step.positions, q, k, s.head_dim, self._cos_sin)
+        out = torch.empty(tokens, s.num_heads, s.head_dim, dtype=h.dtype, device=h.device)
+        for lane, attention in step.lanes:
+            t = slice(attention.start, attention.stop)
+            attention(q[t].view(-1, s.num_heads, s.head_dim), k[t].view(-1, s.num_kv_heads, s.head_dim),
+                      v[t].view(-1, s.num_kv_heads, s.head_dim), *kv_cache[lane][index], out[t],
+                      self.kernel_isa)
+        return layer.o(out.view(tokens, q_width))
 
     def _plan(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
               page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Step:
@@ -583,6 +689,14 @@ def _block_table(page_table: torch.Tensor, end: torch.Tensor, block_size: int,
         raise ValueError(f"page_table holds block ids outside [0, {cache_blocks}) inside a row's "
                          "sequence")
     return torch.where(in_use, table, 0)
+
+
+def _kernel_layout(kv_cache: KVCache) -> bool:
+    """Whether the cache is cpu_kernels.allocate's: K and V the halves of one block's rows."""
+    k, v = kv_cache[0][0]
+    block_size, head_dim = k.shape[2], k.shape[3]
+    return (k.stride(1) == 2 * block_size * head_dim and k.stride(2) == head_dim
+            and v.data_ptr() - k.data_ptr() == block_size * head_dim * k.element_size())
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

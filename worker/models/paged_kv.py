@@ -28,13 +28,13 @@ def allocate(lanes: int, layers: int, blocks: int, kv_heads: int, block_size: in
     cache: KVCache = []
     shape = (layers, blocks, block_size, 2, kv_heads, head_dim)
     for _ in range(lanes):
-        storage = _zeroed_host(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+        storage = zeroed_host(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
         cache.append([[storage[layer, :, :, kind].transpose(1, 2) for kind in (0, 1)]
                       for layer in range(layers)])
     return cache
 
 
-def _zeroed_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeroed_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Host memory the OS hands out zeroed (an anonymous mapping), made resident page by page as
     blocks are first written. torch.zeros would write every byte of the budget at start-up
     (1.6 s for 1 GiB on a 2-core host) and keep it resident before any request needs it. Zeroed

