@@ -356,3 +356,46 @@ def test_services_with_their_own_make_certs_certificates_serve_end_to_end(tmp_pa
         for service in reversed(services):
             service.stop()
     assert "worker listening on 127.0.0.1" in services[0].output() and "(mutual TLS)" in services[0].output()
+
+
+def test_prometheus_with_the_shipped_config_scrapes_the_https_gateway_with_its_key(secure, tmp_path):
+    """deploy/prometheus/prometheus.yml's gateway job (HTTPS, the CA, the key file), pointed at
+    this stack with the compose secrets' paths replaced by this test's files."""
+    import json
+    import urllib.parse
+
+    import yaml
+
+    from stack import Service, get, require_tool, wait_until
+
+    prometheus = require_tool("prometheus")
+    deploy = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
+    (tmp_path / "api-key").write_text(f"{KEYS[1]}\n")
+    shipped = yaml.safe_load((deploy / "prometheus.yml").read_text())
+    job = next(j for j in shipped["scrape_configs"] if j["job_name"] == "ttserve-gateway")
+    assert job["scheme"] == "https"
+    job["tls_config"]["ca_file"] = job["tls_config"]["ca_file"].replace("/run/secrets/ca.crt", str(secure.ca))
+    credentials = job["authorization"]["credentials_file"]
+    job["authorization"]["credentials_file"] = credentials.replace("/run/secrets/api-key", str(tmp_path / "api-key"))
+    assert "/run/secrets" not in json.dumps(job), job
+    job["static_configs"] = [{"targets": [secure.url.split("//")[1]]}]
+    config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [job]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))
+    port = free_port()
+    server = Service("prometheus", [], tmp_path / "prometheus.log")
+    server.log = open(server.log_path, "ab")
+    server.proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                    f"--storage.tsdb.path={tmp_path / 'data'}",
+                                    f"--web.listen-address=127.0.0.1:{port}"],
+                                   stdout=server.log, stderr=subprocess.STDOUT)
+
+    def up() -> list[dict]:
+        status, body = get(f"http://127.0.0.1:{port}/api/v1/query?{urllib.parse.urlencode({'query': 'up'})}")
+        return json.loads(body)["data"]["result"] if status == 200 else []
+
+    try:
+        wait_until(lambda: up() and up()[0]["value"][1] == "1", 60, "Prometheus to scrape the HTTPS gateway")
+    except AssertionError:
+        raise AssertionError(f"{up()}\n{server.output()[-3000:]}") from None
+    finally:
+        server.stop()
