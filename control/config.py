@@ -5,6 +5,9 @@ import argparse
 import asyncio
 import logging
 
+from ttserve.tls import TlsConfigError, grpc_server_tls
+from ttserve.tls import add_arguments as add_tls_arguments
+
 from .engine import Engine
 from .engine_config import EngineConfig
 
@@ -64,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "times each; 0: they fail with the worker")
     g.add_argument("--migration-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="how long a migrating request waits for a ready worker before it fails")
+    add_tls_arguments(g, role="the workers")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -102,7 +106,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.max_consecutive_prefill_steps < 1:
         raise ConfigError("--max-consecutive-prefill-steps must be at least 1, got "
                           f"{args.max_consecutive_prefill_steps}")
-    return EngineConfig(workers=workers, max_num_seqs=args.max_num_seqs,
+    try:
+        tls = grpc_server_tls(args, "control plane")
+    except TlsConfigError as e:
+        raise ConfigError(str(e)) from None
+    return EngineConfig(workers=workers, tls=tls, max_num_seqs=args.max_num_seqs,
                         data_parallel_size=args.data_parallel_size,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
@@ -143,7 +151,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
                              ready=lambda: (engine.ready, engine.not_ready_reason))
     runner = asyncio.create_task(engine.run())
     try:
-        if not await run_service(serve(engine, args.host, args.port), (args.host, args.metrics_port),
+        if not await run_service(serve(engine, args.host, args.port, config.tls), (args.host, args.metrics_port),
                                  endpoints, "control plane", drain, engine.fatal):
             return 1
     finally:

@@ -83,7 +83,7 @@ class Engine:
     def close_session(self, client_id: int) -> None:
         """A client that goes away takes its requests with it."""
         self._clients.pop(client_id, None)
-        self.abort([rid for rid, r in self.requests.items() if r.client_id == client_id])
+        self.abort([rid for rid, r in self.requests.items() if r.client_id == client_id], client_id)
 
     def add(self, add: engine_pb2.AddRequest, client_id: int) -> None:
         """Admit or refuse a request; the session always gets exactly one Admission for it."""
@@ -156,12 +156,19 @@ class Engine:
 
         future.add_done_callback(done)
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Client aborts end silently (the client already knows); unknown ids are ignored."""
+    def abort(self, request_ids: list[str], client_id: int) -> None:
+        """A session's aborts end its requests silently (the client already knows). A session
+        aborts only the requests it added: another session's ids are ignored as unknown ids are
+        (a warning names them), so one client cannot end another's requests."""
         for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
+            request = self.requests.get(request_id)
             if request is None:
                 continue
+            if request.client_id != client_id:
+                log.warning("session %d asked to abort request %s, which session %d added; ignored",
+                            client_id, request_id, request.client_id)
+                continue
+            del self.requests[request_id]
             self._end(request, FinishReason.ABORT, "")
             self._finished(request, time.monotonic())
 

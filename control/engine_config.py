@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ttserve.tls import PLAINTEXT, Tls
+
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
@@ -22,6 +24,7 @@ class EngineConfig:
     max_num_queued_reqs: int = 1024   # waiting requests (all lanes) beyond which arrivals are refused
     migration_limit: int = 3          # times a request may move off a lost worker
     migration_timeout_s: float = 120.0  # how long a migrating request may wait for a ready worker
+    tls: Tls = PLAINTEXT              # served to clients and presented to workers (ttserve/tls.py)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ import grpc
 import ttserve
 from ttserve.grpc_service import GrpcService, start_server
 from ttserve.protocol import PROTOCOL_VERSION
+from ttserve.tls import PLAINTEXT, Tls
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 from .engine import Engine
@@ -48,7 +49,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             if message.HasField("add"):
                 self.engine.add(message.add, client_id)
             elif message.HasField("abort"):
-                self.engine.abort(list(message.abort.request_ids))
+                self.engine.abort(list(message.abort.request_ids), client_id)
 
     async def GetModelInfo(self, request: engine_pb2.ModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
@@ -85,10 +86,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return info
 
 
-async def serve(engine: Engine, host: str, port: int) -> GrpcService:
+async def serve(engine: Engine, host: str, port: int, tls: Tls = PLAINTEXT) -> GrpcService:
     def register(server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServicer_to_server(EngineService(engine), server)
 
     return await start_server(host, port, register,
                               [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name],
-                              "control plane")
+                              "control plane", tls)

@@ -169,7 +169,7 @@ class WorkerGroup:
     async def connect(self) -> WorkerDescription:
         """Describe (retried until the worker answers), check the topology and warm up; returns
         the warm worker's description. Raises IncompatibleWorker or WorkerError."""
-        self._link = link = WorkerLink(self.address)
+        self._link = link = WorkerLink(self.address, self.config.tls)
         while True:
             try:
                 described = await link.describe()

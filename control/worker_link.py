@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS, check_peer_version
+from ttserve.tls import PLAINTEXT, Tls, handshake_hint, open_channel
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
 from .lanes import GroupPlan
@@ -28,9 +29,10 @@ class WorkerError(RuntimeError):
 
 
 class WorkerLink:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: Tls = PLAINTEXT) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._tls = tls
+        self._channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self._stub = device_pb2_grpc.DeviceStub(self._channel)
         self._stream: grpc.aio.StreamStreamCall | None = None
         self._next_step_id = 1
@@ -40,7 +42,8 @@ class WorkerLink:
             d = await self._stub.Describe(device_pb2.DescribeRequest(), metadata=CALL_METADATA,
                                           timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            raise WorkerError(f"worker at {self.address} is unreachable: {e.details()}") from e
+            raise WorkerError(f"worker at {self.address} is unreachable: {e.details()}"
+                              f"{handshake_hint(e.details(), self._tls)}") from e
         check_peer_version(d.protocol_version, f"the worker at {self.address}")
         return description_from_pb(d, self.address)
 
@@ -66,7 +69,7 @@ class WorkerLink:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise WorkerError(f"worker at {self.address} did not finish warmup within "
                                   f"--warmup-timeout {timeout:g} s") from e
-            raise WorkerError(f"worker at {self.address} failed warmup: {e.details()}") from e
+            raise WorkerError(f"worker at {self.address} failed warmup: {e.code().name}: {e.details()}") from e
         raise WorkerError(f"worker at {self.address} ended warmup without reporting done")
 
     async def open(self) -> None:

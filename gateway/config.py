@@ -36,8 +36,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) in the API (default: the model folder's basename)")
     parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                        help="require one of these keys as 'Authorization: Bearer KEY' "
-                             "(also read from VLLM_API_KEY)")
+                        help="require one of these keys as 'Authorization: Bearer KEY' on every "
+                             "route but /health; better --api-key-file or VLLM_API_KEY (read when "
+                             "neither flag is given), since a flag shows in every process listing")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="a file of API keys, one a line (# comments), added to --api-key's")
+    parser.add_argument("--public-metrics", action="store_true",
+                        help="serve /metrics without an API key (for a scraper that sends none)")
+    parser.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                        help="serve HTTPS with this certificate (chain), which is also presented "
+                             "to the control plane")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the key of --ssl-certfile")
+    parser.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                        help="the CA the control plane's certificate is verified against (the "
+                             "call is TLS exactly when this is set); for HTTP clients too with "
+                             "--vllm-args='--ssl-cert-reqs 2'")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow listening on a non-loopback address without HTTPS and an API "
+                             "key (refused otherwise)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="how long to wait for the control plane to report ready "
                              "(default %(default).0f)")
@@ -78,6 +94,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--vllm-args='--chat-template-content-format openai'")
 
 
+def resolve_security(args: argparse.Namespace) -> None:
+    """Read the keys and certificates once, before anything slow: `args.api_keys` (ApiKeys) and
+    `args.tls` (ttserve.tls.Tls, for the control-plane call). Raises StartupError (exit 2)."""
+    from ttserve.gateway.api_keys import ApiKeyConfigError, load_api_keys
+    from ttserve.gateway.server import StartupError
+    from ttserve.tls import TlsConfigError, check_exposure, load_tls
+
+    try:
+        args.api_keys = load_api_keys(args.api_key, args.api_key_file)
+        args.tls = load_tls(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+        check_exposure(args.host, args.tls.serves_tls and bool(args.api_keys), args.insecure,
+                       "the gateway's HTTP API", "HTTPS (--ssl-certfile, --ssl-keyfile) and an API key "
+                       "(--api-key-file or VLLM_API_KEY)")
+    except (ApiKeyConfigError, TlsConfigError) as e:
+        raise StartupError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Start the gateway and serve until SIGINT/SIGTERM; returns the exit status."""
     setup_logging()  # a no-op under `ttserve gateway`, which has set it up already
@@ -89,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         run_loop = asyncio.run
     try:
+        resolve_security(args)
         return run_loop(serve(args))
     except StartupError as e:
         print(f"ttserve gateway: error: {e}", file=sys.stderr)

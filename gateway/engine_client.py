@@ -47,6 +47,7 @@ from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavaila
                                     RequestRefused, record_refusal)
 from ttserve.gateway.metrics import CONNECTED, SESSIONS_LOST  # noqa: E402
 from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS as KEEPALIVE_CHANNEL, ProtocolMismatch, check_peer_version  # noqa: E402
+from ttserve.tls import PLAINTEXT, Tls, open_channel  # noqa: E402
 from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("ttserve.gateway.engine_client")
@@ -95,7 +96,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
     Create it inside the running event loop; it connects (and reconnects) in the background.
     """
 
-    def __init__(self, target: str, *, backoff_s: tuple[float, float] = (0.1, 2.0)) -> None:
+    def __init__(self, target: str, *, backoff_s: tuple[float, float] = (0.1, 2.0),
+                 tls: Tls = PLAINTEXT) -> None:
         self.target = target
         self.resources = _Resources()
         self.engine_ranks_managed = [0]
@@ -115,7 +117,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._session: _Session | None = None
         self._last_error = "not connected yet"
         self._ever_connected = False
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(target, tls, CHANNEL_OPTIONS)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._runner = asyncio.create_task(self._run(), name="ttserve-control-session")
 

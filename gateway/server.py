@@ -22,6 +22,7 @@ import grpc
 
 from ttserve.gateway.readiness import describe_workers
 from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS, ProtocolMismatch, check_peer_version, host_port
+from ttserve.tls import PLAINTEXT, Tls, handshake_hint, open_channel
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ttserve.gateway")
@@ -33,7 +34,7 @@ class StartupError(RuntimeError):
 
 # ---- the control plane ---------------------------------------------------------------------
 async def contact_control_plane(stub: engine_pb2_grpc.EngineStub, target: str,
-                                timeout: float) -> engine_pb2.ServerInfo:
+                                timeout: float, tls: Tls = PLAINTEXT) -> engine_pb2.ServerInfo:
     """First contact: the control plane's ServerInfo, retried while it is unreachable."""
     deadline = time.monotonic() + timeout
     while True:
@@ -47,7 +48,7 @@ async def contact_control_plane(stub: engine_pb2_grpc.EngineStub, target: str,
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
                     or time.monotonic() >= deadline:
                 raise StartupError(f"control plane at {target} is unreachable: "
-                                   f"{e.code().name}: {e.details()}") from None
+                                   f"{e.code().name}: {e.details()}{handshake_hint(e.details(), tls)}") from None
             await asyncio.sleep(0.25)
     try:
         check_peer_version(info.protocol_version, f"the control plane at {target}")
@@ -114,8 +115,11 @@ def vllm_argv(args: argparse.Namespace, model: str, model_info: engine_pb2.Model
             "--uvicorn-log-level", args.uvicorn_log_level,
             # serve_http hands it to GatewayLLM.shutdown on SIGTERM: the drain's timeout.
             "--shutdown-timeout", str(args.shutdown_timeout)]
-    if args.api_key:
-        argv += ["--api-key", *args.api_key]
+    # The API keys are not vLLM's to check (gateway/api_keys.py guards every route, vLLM's
+    # middleware only /v1); the certificate serves HTTPS through vLLM's serve_http.
+    for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+        if getattr(args, flag, None):
+            argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     if args.enable_prompt_tokens_details:
         argv.append("--enable-prompt-tokens-details")
     for flag in ("tokenizer", "chat_template", "tool_call_parser", "reasoning_parser"):
@@ -271,10 +275,11 @@ def check_vllm_server_args(vllm_args: argparse.Namespace) -> None:
 async def discover(args: argparse.Namespace) -> tuple[str, engine_pb2.ModelInfo]:
     """Contact the control plane, wait until it is ready; the model folder and its limits."""
     target = args.control
-    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    tls = getattr(args, "tls", PLAINTEXT)
+    channel = open_channel(target, tls, CHANNEL_OPTIONS)
     try:
         stub = engine_pb2_grpc.EngineStub(channel)
-        info = await contact_control_plane(stub, target, args.connect_timeout)
+        info = await contact_control_plane(stub, target, args.connect_timeout, tls)
         log.info("control plane at %s: ttserve %s, protocol %d, %s", target, info.version,
                  info.protocol_version, describe_workers(info))
         await wait_until_ready(stub, target, info, args.ready_timeout)
@@ -329,20 +334,26 @@ def remove_unserved_routes(app) -> None:
     app.openapi_schema = None  # rebuilt from the routes left
 
 
-def install_middleware(app) -> None:
-    """The gateway's middleware outermost on vLLM's app, and vLLM's HTTP instrumentation out: it
-    records into prometheus_client's default registry, which the gateway never exports, on every
-    request and streamed chunk, and RequestDurationMiddleware stands in for it."""
+def install_middleware(app, api_keys=None, public_metrics: bool = False) -> None:
+    """The gateway's middleware outermost on vLLM's app, and two of vLLM's out: its HTTP
+    instrumentation records into prometheus_client's default registry, which the gateway never
+    exports, on every request and streamed chunk (RequestDurationMiddleware stands in for it);
+    its AuthenticationMiddleware (installed when VLLM_API_KEY is set) guards /v1 only, and
+    ApiKeyMiddleware, outermost of all when `api_keys` holds any, guards every route."""
     from prometheus_fastapi_instrumentator.middleware import PrometheusInstrumentatorMiddleware
     from starlette.middleware import Middleware
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
+    from ttserve.gateway.api_keys import ApiKeyMiddleware
     from ttserve.gateway.errors import RefusalStatusMiddleware
     from ttserve.gateway.metrics import RequestDurationMiddleware
 
     app.user_middleware[:] = [m for m in app.user_middleware
-                              if m.cls is not PrometheusInstrumentatorMiddleware]
+                              if m.cls not in (PrometheusInstrumentatorMiddleware, AuthenticationMiddleware)]
     app.user_middleware.insert(0, Middleware(RefusalStatusMiddleware))
     app.user_middleware.insert(0, Middleware(RequestDurationMiddleware))
+    if api_keys:
+        app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, keys=api_keys, public_metrics=public_metrics))
     # build_app has already built the middleware stack (SageMaker bootstrap), so
     # add_middleware() is refused: rebuild it, as that bootstrap does.
     app.middleware_stack = app.build_middleware_stack()
@@ -365,7 +376,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
     target = args.control
     llm = None
     try:
-        core_client = GrpcEngineCoreClient(target)
+        core_client = GrpcEngineCoreClient(target, tls=args.tls)
         llm = GatewayLLM(vllm_config, core_client, log_stats=not vllm_args.disable_log_stats,
                          log_requests=vllm_args.enable_log_requests)
         if not await core_client.wait_connected(timeout=args.connect_timeout):
@@ -378,7 +389,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         # ERROR; vLLM restores handler levels only, which silences every non-vLLM logger.
         logging.getLogger().setLevel(root_level)
         remove_unserved_routes(app)
-        install_middleware(app)
+        install_middleware(app, args.api_keys, args.public_metrics)
         metrics.install(app)
         readiness.install(app, readiness.ReadinessProbe(core_client, llm.drain))
         await init_app_state(llm, app.state, vllm_args, supported_tasks)
@@ -389,9 +400,11 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         if (log_config := get_uvicorn_log_config(vllm_args)) is not None:
             uvicorn_kwargs["log_config"] = log_config
         scheme = "https" if vllm_args.ssl_keyfile and vllm_args.ssl_certfile else "http"
-        log.info("serving %s on %s://%s for the control plane at %s (vLLM %s frontend; "
+        log.info("serving %s on %s://%s for the control plane at %s (%s; API %s; vLLM %s frontend; "
                  "started in %.1f s)", ", ".join(vllm_args.served_model_name), scheme,
-                 host_port(args.host, args.port), target, vllm_version, time.monotonic() - started)
+                 host_port(args.host, args.port), target, "TLS" if args.tls.calls_tls else "plaintext",
+                 f"key required ({len(args.api_keys)} key(s))" if args.api_keys else "open (no API key)",
+                 vllm_version, time.monotonic() - started)
         shutdown_task = await serve_http(
             app, sock=sock, enable_ssl_refresh=vllm_args.enable_ssl_refresh,
             host=vllm_args.host, port=vllm_args.port, log_level=vllm_args.uvicorn_log_level,

@@ -245,16 +245,27 @@ def test_prometheus_config_scrapes_every_service_on_its_port():
     assert set(config["rule_files"]) == {"rules.yml", "alerts.yml"}
 
 
-def test_promtool_check_config_and_both_rule_files():
+def test_promtool_check_config_and_both_rule_files(tmp_path):
     promtool = require_tool("promtool")
     # promtool resolves rule_files relative to the config file and checks each one as
     # `promtool check rules` would (a broken rule fails the whole check), so no separate
     # `check rules` run is needed: the output must show both files checked and accepted.
-    done = run([promtool, "check", "config", str(PROMETHEUS / "prometheus.yml")])
+    # It also opens the files a scrape job names: the compose secrets (CA, API key) exist only in
+    # the running stack, so a copy of the folder points them at stand-ins.
+    folder = tmp_path / "prometheus"
+    shutil.copytree(PROMETHEUS, folder)
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    for name in ("ca.crt", "api-key"):
+        (secrets / name).write_text("stand-in\n")
+    config = folder / "prometheus.yml"
+    assert "/run/secrets/" in config.read_text()
+    config.write_text(config.read_text().replace("/run/secrets/", f"{secrets}/"))
+    done = run([promtool, "check", "config", str(config)])
     assert done.returncode == 0, output(done)
     assert "2 rule files found" in done.stdout, output(done)
     for rule_file in ("rules.yml", "alerts.yml"):
-        checked = re.search(rf"Checking {re.escape(str(PROMETHEUS / rule_file))}\n\s+SUCCESS: (\d+) rules found",
+        checked = re.search(rf"Checking {re.escape(str(folder / rule_file))}\n\s+SUCCESS: (\d+) rules found",
                             done.stdout)
         assert checked and int(checked.group(1)) > 0, f"{rule_file} was not checked\n{output(done)}"
 
@@ -448,6 +459,11 @@ def check_worker_settings(args: argparse.Namespace, env: dict[str, str]) -> None
 
 # ---- systemd --------------------------------------------------------------------------------------
 
+# What every unit's ExecStart= adds before the environment file's flags: its certificate from the
+# credentials directory (%d), mutual TLS with the one CA, and the gateway's key file.
+_TLS_FLAGS = "--ssl-certfile %d/tls.crt --ssl-keyfile %d/tls.key --ssl-ca-certs %d/ca.crt"
+UNIT_SECURITY_FLAGS = {"worker": _TLS_FLAGS, "control": _TLS_FLAGS,
+                       "gateway": f"{_TLS_FLAGS} --api-key-file %d/api-key"}
 UNITS = {"worker": "ttserve-worker.service", "worker@": "ttserve-worker@.service",
          "control": "ttserve-control.service", "gateway": "ttserve-gateway.service"}
 INSTALLED_BINARY = "/opt/ttserve/.venv/bin/ttserve"
@@ -562,7 +578,16 @@ def test_unit_restart_hardening_and_drain(key):
     # Configuration from /etc/ttserve, the command line from one variable of it.
     env_files = values(unit, "Service", "EnvironmentFile")
     assert f"/etc/ttserve/{service}{'-%i' if key.endswith('@') else ''}.env" in env_files, env_files
-    assert one(unit, "Service", "ExecStart") == f"{INSTALLED_BINARY} {service} $TTSERVE_{service.upper()}_ARGS"
+    assert one(unit, "Service", "ExecStart") == f"{INSTALLED_BINARY} {service} {UNIT_SECURITY_FLAGS[service]} " \
+                                                f"$TTSERVE_{service.upper()}_ARGS"
+    # TLS material (and the gateway's API keys) from /etc/ttserve/tls, through credentials only
+    # systemd (root) reads, all required.
+    credentials = dict(v.split(":", 1) for v in values(unit, "Service", "LoadCredential"))
+    expected = {"tls.crt": f"/etc/ttserve/tls/{service}.crt", "tls.key": f"/etc/ttserve/tls/{service}.key",
+                "ca.crt": "/etc/ttserve/tls/ca.crt"}
+    if service == "gateway":
+        expected["api-key"] = "/etc/ttserve/tls/api-key"
+    assert credentials == expected
     # Drain: SIGTERM, and more time before SIGKILL than the service's own --shutdown-timeout.
     assert svc.get("KillSignal") == "SIGTERM"
     env = read_env_file(example_for(f"/etc/ttserve/{service}.env"))
@@ -613,11 +638,12 @@ def test_no_secrets_in_units_or_examples():
         text = path.read_text()
         assert not secret.search(text), f"{path.name} assigns a secret"
         code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-        assert "--api-key" not in code, f"{path.name}: an API key flag would show in ps"
+        # --api-key-file names a file; --api-key KEY would show the key in ps.
+        assert not re.search(r"--api-key(?!-file)", code), f"{path.name}: an API key flag would show in ps"
         assert not re.search(r"Environment=.*(KEY|PASSWORD|SECRET)", code), path.name
     gateway = read_unit(SYSTEMD / UNITS["gateway"])
-    assert "-/etc/ttserve/gateway-secrets.env" in values(gateway, "Service", "EnvironmentFile")
-    assert (SYSTEMD / "gateway-secrets.env.example").is_file()
+    assert values(gateway, "Service", "EnvironmentFile") == ["/etc/ttserve/gateway.env"]
+    assert "api-key:/etc/ttserve/tls/api-key" in values(gateway, "Service", "LoadCredential")
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -788,7 +814,12 @@ def test_dockerfile(service):
     assert len(healthchecks) == 1 and "urllib.request" in healthchecks[0], healthchecks
     env = " ".join(final.all("ENV"))
     url = re.search(r"TTSERVE_HEALTH_URL=(\S+)", env).group(1)
-    assert re.fullmatch(rf"http://127\.0\.0\.1:{HTTP_PORT[service]}/(health|ready)", url), url
+    scheme = "https" if service == "gateway" else "http"  # the gateway's default CMD serves HTTPS
+    assert re.fullmatch(rf"{scheme}://127\.0\.0\.1:{HTTP_PORT[service]}/(health|ready)", url), url
+    # The default command is one the service accepts, with mutual TLS from /run/secrets.
+    args = parse_service_args(service, json.loads(final.all("CMD")[-1]))
+    assert args.host == "0.0.0.0" and args.ssl_ca_certs == "/run/secrets/ca.crt" and not args.insecure
+    assert args.ssl_certfile == f"/run/secrets/{service}.crt"
     # Exec-form entrypoint, so SIGTERM reaches ttserve and starts the drain.
     entrypoint = json.loads(final.all("ENTRYPOINT")[0])
     assert entrypoint == ["ttserve", service]
@@ -825,10 +856,42 @@ def test_gateway_dockerfile_pins_cpu_torch_and_removes_its_companions():
     assert '"torch==${TORCH_VERSION}"' in runs
 
 
+# ---- certificates ---------------------------------------------------------------------------------
+
+def test_make_certs_makes_a_ca_and_a_certificate_per_service_that_the_services_load(tmp_path):
+    from cryptography import x509
+
+    from ttserve.tls import load_tls
+
+    require_tool("openssl")
+    done = run(["bash", str(DEPLOY / "make-certs.sh"), str(tmp_path), "worker=10.0.0.5,worker.example",
+                "control", "gateway"])
+    assert done.returncode == 0, output(done)
+    assert len((tmp_path / "api-key").read_text().strip()) == 64
+    for name in SERVICES:
+        files = [str(tmp_path / f) for f in (f"{name}.crt", f"{name}.key", "ca.crt")]
+        assert load_tls(*files).mutual  # a certificate, its key, the CA
+        assert run(["openssl", "verify", "-CAfile", files[2], files[0]]).returncode == 0
+        assert (tmp_path / f"{name}.key").stat().st_mode & 0o077 == 0, "keys are private"
+        cert = x509.load_pem_x509_certificate((tmp_path / f"{name}.crt").read_bytes())
+        assert cert.subject.rfc4514_string() == f"CN={name}"  # the worker's --control-identity names it
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert {name, "localhost"} <= set(sans.get_values_for_type(x509.DNSName))
+        assert "127.0.0.1" in {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    worker = x509.load_pem_x509_certificate((tmp_path / "worker.crt").read_bytes())
+    sans = worker.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "worker.example" in sans.get_values_for_type(x509.DNSName)
+    assert "10.0.0.5" in {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    # Run again for one more service: the CA (and so every certificate made before) is kept.
+    ca = (tmp_path / "ca.crt").read_bytes()
+    assert run(["bash", str(DEPLOY / "make-certs.sh"), str(tmp_path), "worker-1"]).returncode == 0
+    assert (tmp_path / "ca.crt").read_bytes() == ca and (tmp_path / "worker-1.crt").is_file()
+
+
 # ---- docker-compose -------------------------------------------------------------------------------
 
 COMPOSE_ENV = {"GRAFANA_ADMIN_PASSWORD": "test-only", "TTSERVE_MODELS_DIR": "/srv/models",
-               "TTSERVE_MODEL": "SmolLM2-135M-Instruct"}
+               "TTSERVE_MODEL": "SmolLM2-135M-Instruct", "TTSERVE_TLS_DIR": "/srv/ttserve-tls"}
 
 
 def compose_env(**overrides) -> dict[str, str]:
@@ -866,12 +929,13 @@ def test_docker_compose_services():
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
     assert set(services) == {"worker", "control", "gateway", "prometheus", "grafana"}
-    health_path = {"worker": "/ready", "control": "/ready", "gateway": "/health"}
+    health_url = {"worker": "http://127.0.0.1:9402/ready", "control": "http://127.0.0.1:9401/ready",
+                  "gateway": "https://127.0.0.1:8000/health"}
     depends = {"control": "worker", "gateway": "control"}
     for name in SERVICES:
         service = services[name]
         test = " ".join(service["healthcheck"]["test"])
-        assert f"http://127.0.0.1:{HTTP_PORT[name]}{health_path[name]}" in test, test
+        assert health_url[name] in test and str(HTTP_PORT[name]) in health_url[name], test
         assert seconds(service["stop_grace_period"]) > DEFAULT_SHUTDOWN_TIMEOUT_S + 5
         assert service["build"]["dockerfile"] == f"deploy/docker/Dockerfile.{name}"
         assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
@@ -886,9 +950,21 @@ def test_docker_compose_services():
         assert args.host == "0.0.0.0", f"{name} must listen beyond the container's loopback"
         if name == "worker":
             check_worker_settings(args, {})
+        # Mutual TLS with the service's own certificate, every file a secret it mounts.
+        assert (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs) == (
+            f"/run/secrets/{name}.crt", f"/run/secrets/{name}.key", "/run/secrets/ca.crt")
+        assert not args.insecure and "environment" not in service
+        mounted = {f"/run/secrets/{secret}" for secret in service["secrets"]}
+        assert {args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs} <= mounted
+        assert not any(s.endswith(".key") and s != f"{name}.key" for s in service["secrets"]), "only its own key"
+    assert parse_service_args("worker", compose_command(services["worker"]["command"])).control_identity == "control"
+    gateway_args = parse_service_args("gateway", compose_command(services["gateway"]["command"]))
+    assert gateway_args.api_key_file == "/run/secrets/api-key" and "api-key" in services["gateway"]["secrets"]
+    assert not gateway_args.public_metrics and {"ca.crt", "api-key"} <= set(services["prometheus"]["secrets"])
+    for secret in compose["secrets"].values():
+        assert secret["file"].startswith("${TTSERVE_TLS_DIR:?"), secret
     control_args = parse_service_args("control", compose_command(services["control"]["command"]))
     assert control_args.worker == [f"worker:{GRPC_PORT['worker']}"]
-    gateway_args = parse_service_args("gateway", compose_command(services["gateway"]["command"]))
     assert gateway_args.control == f"control:{GRPC_PORT['control']}"
     # Prometheus reads deploy/prometheus; its rule files sit beside the config.
     assert "./prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]

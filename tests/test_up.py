@@ -44,3 +44,21 @@ def test_an_ipv6_host_is_bracketed_where_services_reach_each_other():
     assert shares["control"][shares["control"].index("--worker") + 1] == "[::1]:50061"
     assert shares["gateway"][-2:] == ["--control", "[::1]:50051"]
     assert args.url == "http://[::1]:9000"
+
+
+def test_certificates_go_to_every_service_and_keys_to_the_gateway_alone():
+    tls = ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-ca-certs", "ca.pem"]
+    args, shares = split_flags([*tls, "--api-key-file", "keys", "--control-identity", "control", "--insecure"])
+    assert all(share[:6] == tls and "--insecure" in share for share in shares.values())
+    assert "--api-key-file" in shares["gateway"] and not any("--api-key-file" in shares[s] for s in ("worker", "control"))
+    assert "--control-identity" in shares["worker"] and "--control-identity" not in shares["control"]
+    assert args.url == "https://127.0.0.1:8000"  # up probes its gateway's /health over HTTPS
+
+
+def test_check_reports_what_the_services_would_refuse(capsys, tmp_path):
+    from ttserve.check import _parse, _security_problems
+
+    _, shares = split_flags(["--host", "0.0.0.0", "--api-key-file", str(tmp_path / "missing")])
+    problems = _security_problems(_parse("worker", shares["worker"]), _parse("gateway", shares["gateway"]))
+    assert [fatal for fatal, _ in problems] == [True, True]
+    assert "worker: refusing to serve" in problems[0][1] and "--api-key-file" in problems[1][1]

@@ -34,6 +34,7 @@ def check(argv: list[str], out: TextIO = sys.stdout) -> int:
         engine_config(control)
     except ConfigError as e:
         problems.append((True, f"control plane: {e}"))
+    problems += _security_problems(worker, gateway)
     ports = Counter(p for p in (up_args.port, up_args.control_port, up_args.worker_port,
                                 up_args.control_metrics_port, up_args.worker_metrics_port) if p)
     problems += [(True, f"port {port} is given to {n} services") for port, n in ports.items() if n > 1]
@@ -67,6 +68,25 @@ def _parse(service: str, tokens: list[str]) -> argparse.Namespace:
     module.add_arguments(parser)
     parse = getattr(module, "parse_args", None)
     return parse(parser, tokens) if parse else parser.parse_args(tokens)
+
+
+def _security_problems(worker: argparse.Namespace, gateway: argparse.Namespace) -> list[tuple[bool, str]]:
+    """Certificates, keys and exposure, as the worker's and the gateway's start-up check them
+    (the control plane's: engine_config)."""
+    from ttserve.gateway.config import resolve_security
+    from ttserve.gateway.server import StartupError
+    from ttserve.worker.config import ConfigRefused, worker_tls
+
+    problems = []
+    try:
+        worker_tls(worker)
+    except ConfigRefused as e:
+        problems.append((True, f"worker: {e}"))
+    try:
+        resolve_security(gateway)
+    except StartupError as e:
+        problems.append((True, f"gateway: {e}"))
+    return problems
 
 
 def _gateway_problems(args: argparse.Namespace, model: str, max_model_len: int) -> list[str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from .protocol import CALL_METADATA, CHANNEL_OPTIONS
+from .tls import PLAINTEXT, Tls, open_blocking_channel
 from .v1 import engine_pb2, engine_pb2_grpc
 
 
@@ -33,8 +34,9 @@ class Result:
 
 
 class ControlClient:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, tls: Tls = PLAINTEXT) -> None:
+        """`tls`: TLS to a control plane that serves it (ttserve.tls.load_tls(cert, key, ca))."""
+        self.channel = open_blocking_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
         self._outgoing: queue.Queue = queue.Queue()
         self.incoming: queue.Queue = queue.Queue()

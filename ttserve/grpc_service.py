@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .ops_http import OpsEndpoints, start_ops_server
 from .protocol import SERVER_OPTIONS, ProtocolVersionInterceptor, host_port
+from .tls import PLAINTEXT, Tls
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,9 @@ class GrpcService:
 
 
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
-                       service_names: Sequence[str], what: str) -> GrpcService:
-    """A started server with `register`'s servicers plus gRPC health and reflection."""
+                       service_names: Sequence[str], what: str, tls: Tls = PLAINTEXT) -> GrpcService:
+    """A started server with `register`'s servicers plus gRPC health and reflection; TLS (mutual
+    when `tls` has a CA) when `tls` holds a certificate, plaintext otherwise."""
     server = grpc.aio.server(interceptors=[ProtocolVersionInterceptor()], options=SERVER_OPTIONS)
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -46,15 +48,18 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     reflection.enable_server_reflection((*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME),
                                         server)
     address = host_port(host, port)
+    credentials = tls.server_credentials()
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_insecure_port(address) if credentials is None else
+                 server.add_secure_port(address, credentials))
     except RuntimeError as e:
         raise ListenError(f"cannot listen on {address}: {e}") from e
     if bound == 0:
         raise ListenError(f"cannot listen on {address}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s listening on %s", what, address)
+    log.info("%s listening on %s (%s)", what, address,
+             "mutual TLS" if tls.mutual else "TLS" if tls.serves_tls else "plaintext")
     return GrpcService(server, health_servicer)
 
 

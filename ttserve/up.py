@@ -1,8 +1,9 @@
 """`ttserve up`: the whole stack on one host, each service its own process.
 
 Every flag goes to the services that declare it (`--max-num-seqs` to the control plane,
-`--backend` to the worker, `--api-key` to the gateway, `--host` to all); a flag no service
-declares is refused. `--port` is the gateway's; the internal gRPC ports have their own flags.
+`--backend` to the worker, `--api-key-file` to the gateway, `--host` and the `--ssl-*` flags to
+all: the one certificate is each service's own, and must name the host the others call, 127.0.0.1
+for a wildcard --host); a flag no service declares is refused. `--port` is the gateway's; the internal gRPC ports have their own flags.
 
 Ctrl-C (SIGINT), SIGTERM or SIGHUP stops the services in reverse order, each draining first; a
 second signal cuts short the drain of the service being stopped.
@@ -18,6 +19,7 @@ import argparse
 import importlib
 import logging
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -88,8 +90,28 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
     shares["control"] += ["--port", str(args.control_port), "--worker", host_port(host, args.worker_port),
                           "--metrics-port", str(args.control_metrics_port)]
     shares["gateway"] += ["--port", str(args.port), "--control", host_port(host, args.control_port)]
-    args.url = f"http://{host_port(host, args.port)}"  # the gateway, as up checks it
+    gateway = _service_parser("gateway").parse_known_args(shares["gateway"])[0]
+    scheme = "https" if gateway.ssl_certfile else "http"
+    args.url = f"{scheme}://{host_port(host, args.port)}"  # the gateway, as up checks it
+    args.probe_tls = _probe_context(gateway) if gateway.ssl_certfile else None
     return args, shares
+
+
+def _probe_context(gateway: argparse.Namespace) -> ssl.SSLContext:
+    """How up reaches its own gateway's /health over HTTPS: verified against --ssl-ca-certs when
+    given (else unverified: up only asks its child whether it is up), presenting the certificate
+    in case the gateway asks for client certificates."""
+    context = ssl.create_default_context()
+    try:
+        if gateway.ssl_ca_certs:
+            context.load_verify_locations(gateway.ssl_ca_certs)
+        else:
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        if gateway.ssl_keyfile:
+            context.load_cert_chain(gateway.ssl_certfile, gateway.ssl_keyfile)
+    except (OSError, ssl.SSLError):
+        pass  # the gateway refuses the same files at its start-up (exit 2), which stops up
+    return context
 
 
 def _take_dotted(tokens: list[str]) -> tuple[list[str], list[str]]:
@@ -170,7 +192,7 @@ def up(argv: list[str]) -> int:
                 restart_at[name] = now + delay
                 log.error("%s exited with code %d; restarting it in %d s", name, code, delay)
             if not announced:
-                if _serving(args.url):
+                if _serving(args.url, args.probe_tls):
                     log.info("ttserve is serving at %s/v1 (Ctrl-C stops it)", args.url)
                     announced = True
                 elif time.monotonic() > deadline:
@@ -191,9 +213,9 @@ def up(argv: list[str]) -> int:
                     proc.kill()
 
 
-def _serving(url: str) -> bool:
+def _serving(url: str, context: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+        with urllib.request.urlopen(f"{url}/health", timeout=2, context=context) as response:
             return response.status == 200
     except OSError:
         return False

@@ -7,6 +7,9 @@ import logging
 import os
 import sys
 
+from ttserve.tls import Tls, TlsConfigError, grpc_server_tls
+from ttserve.tls import add_arguments as add_tls_arguments
+
 from .dtype import DTYPE_CHOICES, resolve_dtype
 
 log = logging.getLogger("ttserve.worker")
@@ -54,9 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "worker stops")
     g.add_argument("--sim-profile", default="galaxy-llama-3.3-70b",
                    help="step-time profile of --backend sim (see ttserve.worker.sim.PROFILES)")
+    add_tls_arguments(g, role="nobody (a worker calls no service)")
+    g.add_argument("--control-identity", default=None, metavar="NAME",
+                   help="with mutual TLS: the name (certificate CN or SAN) the control plane's "
+                        "certificate must carry; Warmup and Step from any other certificate are "
+                        "refused, so a gateway holding a certificate of the same CA cannot drive "
+                        "the device (default: any certificate --ssl-ca-certs signed)")
 
 
-def build_service(args: argparse.Namespace):
+def worker_tls(args: argparse.Namespace) -> Tls:
+    """The worker's TLS, refused (ConfigRefused) as start-up refuses every bad flag."""
+    try:
+        tls = grpc_server_tls(args, "worker")
+    except TlsConfigError as e:
+        raise ConfigRefused(str(e)) from None
+    if args.control_identity and not tls.mutual:
+        raise ConfigRefused("--control-identity needs mutual TLS (--ssl-certfile, --ssl-keyfile and "
+                            "--ssl-ca-certs): without client certificates there is no identity to check")
+    return tls
+
+
+def build_service(args: argparse.Namespace, control_identity: str | None = None):
     """The worker as the plan says (worker/preflight.py): every check `ttserve check` makes runs
     here first, and any problem that would stop start-up stops it now, before a device opens."""
     import torch
@@ -101,7 +122,7 @@ def build_service(args: argparse.Namespace):
              dtype_why, threads, options or "none")
     runner = ModelRunner(plan.model_path, model_cls, plan.architecture, device, dtype,
                          args.block_size, args.kv_cache_memory_bytes, device_options, device_api)
-    return DeviceService(runner, plan.backend, device_name)
+    return DeviceService(runner, plan.backend, device_name, control_identity=control_identity)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,14 +147,15 @@ def run(args: argparse.Namespace) -> int:
     # lighter background load passive was faster too (39-42 ms against 54-57 ms median).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        service = build_service(args)
+        tls = worker_tls(args)  # before the model loads: a bad certificate path fails in a second
+        service = build_service(args, args.control_identity)
     except ConfigRefused as e:
         log.error("%s", e)
         return 2  # a configuration refused: restarting cannot help (systemd's RestartPreventExitStatus)
-    return asyncio.run(_serve(service, args))
+    return asyncio.run(_serve(service, args, tls))
 
 
-async def _serve(service, args: argparse.Namespace) -> int:
+async def _serve(service, args: argparse.Namespace, tls: Tls) -> int:
     """Serve until SIGTERM/SIGINT, then drain: refuse new streams, let the control plane finish
     its steps (up to --shutdown-timeout), and exit 0."""
     from ttserve.grpc_service import run_service
@@ -145,7 +167,7 @@ async def _serve(service, args: argparse.Namespace) -> int:
                              health=lambda: (not service.draining, "the worker is shutting down"),
                              ready=lambda: (service.ready, service.not_ready_reason))
     try:
-        ok = await run_service(serve(service, args.host, args.port), (args.host, args.metrics_port),
+        ok = await run_service(serve(service, args.host, args.port, tls), (args.host, args.metrics_port),
                                endpoints, "worker", lambda: service.drain(args.shutdown_timeout))
     finally:
         service.runner.close()  # the model and its traces first, then the mesh and its fabric

@@ -12,6 +12,7 @@ import grpc
 import ttserve
 from ttserve.grpc_service import GrpcService, start_server
 from ttserve.protocol import PROTOCOL_VERSION
+from ttserve.tls import PLAINTEXT, Tls, peer_names
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
 from .metrics import WorkerMetrics
@@ -22,8 +23,14 @@ log = logging.getLogger(__name__)
 
 
 class DeviceService(device_pb2_grpc.DeviceServicer):
-    def __init__(self, runner: ModelRunner, backend: str, device: str) -> None:
+    def __init__(self, runner: ModelRunner, backend: str, device: str,
+                 control_identity: str | None = None) -> None:
         self.runner = runner
+        # With mutual TLS every caller holds a certificate of the worker's CA; Warmup and Step
+        # (which configure and drive the device) also need this name in it, so that only the
+        # control plane, not a gateway of the same CA, can take the device. None: any caller
+        # the transport admitted.
+        self.control_identity = control_identity
         self.backend = backend
         self.device = device
         self.metrics = WorkerMetrics(backend, device, runner.architecture)
@@ -125,8 +132,21 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                        context: grpc.aio.ServicerContext) -> device_pb2.DeviceDescription:
         return self._describe()
 
+    async def _refuse_unless_control_plane(self, context: grpc.aio.ServicerContext, call: str) -> None:
+        if self.control_identity is None:
+            return
+        names = peer_names(context)
+        if self.control_identity not in names:
+            log.warning("refused %s from %s: its certificate names %s, not %r", call, context.peer(),
+                        ", ".join(names) or "nothing", self.control_identity)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"this worker takes {call} only from its control plane, whose certificate "
+                                f"names {self.control_identity!r} (--control-identity); the caller's "
+                                f"certificate names {', '.join(names) or 'nothing'}")
+
     async def Warmup(self, request: device_pb2.WarmupRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[device_pb2.WarmupProgress]:
+        await self._refuse_unless_control_plane(context, "Warmup")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         config = config_from_pb(request)
@@ -173,6 +193,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
 
     async def Step(self, batches: AsyncIterator[device_pb2.StepBatch],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[device_pb2.StepResult]:
+        await self._refuse_unless_control_plane(context, "Step")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         if self._stream_lock.locked():
@@ -196,9 +217,9 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     yield result_to_pb(result)
 
 
-async def serve(service: DeviceService, host: str, port: int) -> GrpcService:
+async def serve(service: DeviceService, host: str, port: int, tls: Tls = PLAINTEXT) -> GrpcService:
     def register(server: grpc.aio.Server) -> None:
         device_pb2_grpc.add_DeviceServicer_to_server(service, server)
 
     return await start_server(host, port, register,
-                              [device_pb2.DESCRIPTOR.services_by_name["Device"].full_name], "worker")
+                              [device_pb2.DESCRIPTOR.services_by_name["Device"].full_name], "worker", tls)
