@@ -63,3 +63,17 @@ def sample_image(width: int, height: int, seed: int):
                      (x + y) * 127 // max(width + height - 2, 1)], axis=-1)
     noise = rng.integers(0, 64, size=(height, width, 3))
     return Image.fromarray(((base + noise) % 256).astype("uint8"), "RGB")
+
+
+# The OpenAI client of a module's gateway: modules that define a `stack` fixture (a Stack with a
+# gateway) get these two.
+@pytest.fixture(scope="module")
+def client(stack):
+    import openai
+
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id

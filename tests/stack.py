@@ -1,6 +1,7 @@
 """Real services on loopback ports for the end-to-end tests: processes, ports, readiness, logs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,3 +201,23 @@ def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
         stack.stop()
         raise
     return stack
+
+
+@contextlib.contextmanager
+def ttserve_up(tmp: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """`ttserve up` on free ports (HTTP, control, worker, control metrics, worker metrics), once its
+    gateway answers /health; killed on the way out if the test has not stopped it."""
+    ports = [free_port() for _ in range(5)]
+    log = open(tmp / "up.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
+                             "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
+                             "--control-metrics-port", str(ports[3]), "--worker-metrics-port", str(ports[4]),
+                             *flags], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{ports[0]}/health"), 300, "ttserve up")
+        yield proc, ports
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -42,16 +42,6 @@ def stack(tmp_path_factory, smollm2) -> Stack:
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
-
-
 def chat(client, model_name, content: str, **kw):
     return client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
                                           temperature=0, **kw)

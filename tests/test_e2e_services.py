@@ -11,7 +11,7 @@ import grpc
 import openai
 import pytest
 
-from stack import free_port, start_stack, start_worker, wait_until, http_ok
+from stack import free_port, start_stack, start_worker, ttserve_up, wait_until
 from ttserve.control_client import ControlClient
 from ttserve.protocol import CALL_METADATA, METADATA_KEY, PROTOCOL_VERSION
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
@@ -162,15 +162,7 @@ def test_lost_worker_gives_503_then_recovers(tmp_path, smollm2):
 
 
 def test_ttserve_up_routes_flags_and_stops_cleanly_on_sigterm(tmp_path, smollm2):
-    ports = [free_port() for _ in range(5)]
-    log = open(tmp_path / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
-                             "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
-                             "--control-metrics-port", str(ports[3]), "--worker-metrics-port", str(ports[4]),
-                             "--model", str(smollm2), "--max-num-seqs", "3", "--block-size", "32"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{ports[0]}/health"), 300, "ttserve up")
+    with ttserve_up(tmp_path, "--model", str(smollm2), "--max-num-seqs", "3", "--block-size", "32") as (proc, ports):
         with grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as channel:
             info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.ModelInfoRequest(),
                                                                     metadata=CALL_METADATA, timeout=5)
@@ -181,10 +173,6 @@ def test_ttserve_up_routes_flags_and_stops_cleanly_on_sigterm(tmp_path, smollm2)
         assert out.choices[0].message.content
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
 
 
 def test_up_refuses_a_flag_no_service_declares():

@@ -35,16 +35,6 @@ def stack(tmp_path_factory, tiny_vlm) -> Stack:
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
-
-
 def data_url(image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")  # lossless: the gateway decodes the same pixels
@@ -220,27 +210,13 @@ def test_refused_requests_leak_no_kv_blocks_and_the_server_keeps_serving(client,
 def test_ttserve_up_serves_an_image_chat_with_transformers_answer(tmp_path, tiny_vlm, hf_tiny_vlm):
     """The whole product as a user starts it: `ttserve up --model <tiny-vlm folder>`."""
     import signal
-    import subprocess
-    import sys
 
-    from stack import free_port, http_ok, wait_until
+    from stack import ttserve_up
 
-    ports = [free_port() for _ in range(5)]
-    log = open(tmp_path / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
-                             "--control-port", str(ports[1]), "--worker-port", str(ports[2]),
-                             "--control-metrics-port", str(ports[3]), "--worker-metrics-port", str(ports[4]),
-                             "--model", str(tiny_vlm), "--dtype", "float32", "--max-num-seqs", "2"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{ports[0]}/health"), 300, "ttserve up")
+    with ttserve_up(tmp_path, "--model", str(tiny_vlm), "--dtype", "float32", "--max-num-seqs", "2") as (proc, ports):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[0]}/v1", api_key="unused", max_retries=0)
         parts = [make_image(112, 56, 40), "What do you see?"]
         _, expected = oracle(hf_tiny_vlm, parts)
         assert ask(client, tiny_vlm.name, parts).choices[0].token_ids == expected
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
