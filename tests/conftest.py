@@ -77,3 +77,14 @@ def client(stack):
 @pytest.fixture(scope="module")
 def model_name(client) -> str:
     return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def single_torch_thread():
+    """One intra-op torch thread in this test process for a module (restored after)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

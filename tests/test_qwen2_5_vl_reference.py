@@ -19,11 +19,8 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_torch_thread(single_torch_thread):
+    """Memory-bound on a CPU, as the text models (conftest.single_torch_thread)."""
 
 
 @pytest.fixture(scope="module")

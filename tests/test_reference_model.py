@@ -36,13 +36,9 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 # --- fixtures --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
+def one_torch_thread(single_torch_thread):
     """These models are memory-bound on CPU: a second intra-op thread gains little, and when
     other processes share the cores its spin-waits make a step ~15x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -258,10 +258,7 @@ class TorchLlamaForCausalLM:
                               max_seq_len: int, tt_data_parallel: int = 1, *, model_path: str,
                               dtype: torch.dtype = torch.float32) -> TorchLlamaForCausalLM:
         """Loads the checkpoint at `model_path`; `hf_config` is its parsed config.json."""
-        config = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-        if max_batch_size < 1 or tt_data_parallel < 1 or max_seq_len < 1:
-            raise ValueError(f"max_batch_size={max_batch_size}, tt_data_parallel="
-                             f"{tt_data_parallel} and max_seq_len={max_seq_len} must be positive")
+        config = contract_config(hf_config, max_batch_size, max_seq_len, tt_data_parallel)
         shape = LlamaShape.from_config(config)
         state = _Checkpoint(Path(model_path))
         return cls(shape, state, torch.device(mesh_device), dtype, max_batch_size, max_seq_len,
@@ -720,6 +717,14 @@ def _block_table(page_table: torch.Tensor, end: torch.Tensor, block_size: int,
         raise ValueError(f"page_table holds block ids outside [0, {cache_blocks}) inside a row's "
                          "sequence")
     return torch.where(in_use, table, 0)
+
+
+def contract_config(hf_config: Any, max_batch_size: int, max_seq_len: int, tt_data_parallel: int) -> dict:
+    """initialize_vllm_model's shared checks: config.json as a dict, and positive sizes."""
+    if max_batch_size < 1 or tt_data_parallel < 1 or max_seq_len < 1:
+        raise ValueError(f"max_batch_size={max_batch_size}, tt_data_parallel="
+                         f"{tt_data_parallel} and max_seq_len={max_seq_len} must be positive")
+    return hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
 
 
 def _kernel_layout(kv_cache: KVCache) -> bool:

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from ttserve.worker.sampling import SamplingBatch, sample
 
 from .linear import Linear
-from .llama import CheckpointError, KVCache, LlamaShape, TorchQwen2ForCausalLM, _Checkpoint, _Step
+from .llama import (CheckpointError, KVCache, LlamaShape, TorchQwen2ForCausalLM, _Checkpoint, _Step,
+                    contract_config)
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -205,10 +206,7 @@ class TorchQwen2_5_VLForConditionalGeneration(TorchQwen2ForCausalLM):
     def initialize_vllm_model(cls, hf_config: Any, mesh_device: torch.device, max_batch_size: int,
                               max_seq_len: int, tt_data_parallel: int = 1, *, model_path: str,
                               dtype: torch.dtype = torch.float32) -> TorchQwen2_5_VLForConditionalGeneration:
-        config = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-        if max_batch_size < 1 or tt_data_parallel < 1 or max_seq_len < 1:
-            raise ValueError(f"max_batch_size={max_batch_size}, tt_data_parallel="
-                             f"{tt_data_parallel} and max_seq_len={max_seq_len} must be positive")
+        config = contract_config(hf_config, max_batch_size, max_seq_len, tt_data_parallel)
         if "vision_config" not in config or "image_token_id" not in config:
             raise CheckpointError("a Qwen2.5-VL config.json needs vision_config and image_token_id")
         shape = LlamaShape.from_config(text_config(config))
