@@ -366,7 +366,7 @@ class ModelRunner:
             # A resumed request (preempted, or migrated here) replays the draws of the tokens it
             # already has, so it goes on as if it had never moved.
             replay = new.num_output_tokens if draws(new.temperature, new.top_k) else 0
-            generator = seeded_generator(new.seed, self.device, replay)
+            generator = seeded_generator(new.seed, replay)
         # new.host is None unless some host option is set (wire.py drops inactive ones).
         self._requests[new.request_id] = RequestState(
             new.row, new.temperature, new.top_p, new.top_k, generator, new.seed, new.min_tokens,

@@ -91,10 +91,10 @@ def _uniform(generator: torch.Generator | None, rows: int = 1) -> torch.Tensor:
     return torch.rand(rows, dtype=torch.float64, generator=generator)
 
 
-def seeded_generator(seed: int, device: torch.device, replay: int = 0) -> torch.Generator:
-    """A request's generator (on the host, where the draw is made), past the draws of the
-    `replay` tokens it sampled before it resumed here (one uniform each)."""
-    del device  # draws are made on the host whatever the model's device: the same tokens anywhere
+def seeded_generator(seed: int, replay: int = 0) -> torch.Generator:
+    """A request's generator, on the host (where the draw is made, whatever the model's device:
+    the same tokens anywhere), past the draws of the `replay` tokens it sampled before it
+    resumed here (one uniform each)."""
     generator = torch.Generator()
     generator.manual_seed(seed)
     if replay:
