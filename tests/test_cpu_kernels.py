@@ -28,6 +28,37 @@ def test_the_kernels_load_here_and_float32_never_takes_them():
     assert "head_dim 24" in cpu_kernels.unavailable(torch.device("cpu"), torch.bfloat16, 64, 24, None)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 130])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_the_onednn_matmul_computes_what_f_linear_does_at_any_row_count(rows, bias, single_torch_thread):
+    # One handler serves every row count (a decode's few rows, a prefill's many), over a
+    # leading batch dimension too; bf16 on both sides, accumulated in float32 by oneDNN.
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    assert cpu_kernels.gemm_unavailable(w) == ""
+    matmul = cpu_kernels.MatMul(w, b)
+    x = torch.randn(2, rows, 64, generator=g).bfloat16()
+    got, want = matmul(x), torch.nn.functional.linear(x, w, b)
+    assert got.shape == want.shape == (2, rows, 96) and got.dtype == torch.bfloat16
+    assert float((got.float() - want.float()).abs().max()) <= 0.02 * float(want.float().abs().max())
+    assert "float32" in cpu_kernels.gemm_unavailable(w.float())
+
+
+def test_a_linear_layer_on_the_kernels_holds_one_copy_of_its_weight_and_frees_it():
+    import gc
+
+    from ttserve.worker.models.linear import Linear
+
+    layer = Linear(torch.randn(32, 16).bfloat16())
+    assert layer.kind == "onednn" and isinstance(layer.weight, cpu_kernels.MatMul)
+    release = layer.weight.release  # the handler's reordered copy is the only one kept
+    assert release.alive
+    del layer
+    gc.collect()
+    assert not release.alive
+
+
 def _caches(model, blocks: int, block_size: int):
     s = model.shape
     kernels = model.allocate_kv_cache((blocks, s.num_kv_heads, block_size, s.head_dim), torch.bfloat16,

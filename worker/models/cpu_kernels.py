@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,9 @@ _SCHEMAS = {
                                    "Tensor block_table, float softcap, Tensor scheduler_metadata, Tensor? s_aux, "
                                    "Tensor? dynamic_causal, float k_scale=1., float v_scale=1., str "
                                    "kv_cache_dtype=\"auto\") -> ()",
+    "create_onednn_mm_handler": "_C::create_onednn_mm_handler(Tensor b, int primitive_cache_size) -> int",
+    "onednn_mm": "_C::onednn_mm(Tensor($0! -> ) c, Tensor a, Tensor? bias, Tensor handler_tensor) -> ()",
+    "release_dnnl_matmul_handler": "_C::release_dnnl_matmul_handler(int handler) -> ()",
 }
 _loaded: str | None = None  # None: not tried; "": loaded; else why not
 
@@ -134,6 +138,44 @@ def allocate(lanes: int, layers: int, blocks: int, kv_heads: int, block_size: in
         cache.append([[storage[layer, :, :, :block_size], storage[layer, :, :, block_size:]]
                       for layer in range(layers)])
     return cache
+
+
+def gemm_unavailable(weight: torch.Tensor) -> str:
+    """Why `MatMul` cannot hold this weight; "" when it can."""
+    if weight.device.type != "cpu":
+        return f"the weight is on {weight.device.type}"
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return f"{weight.dtype} runs the plain torch path (float32 stays the textbook computation)"
+    return _load()
+
+
+# vLLM's size for each handler's cache of primitives by row count (layers/utils.py passes 32).
+_PRIMITIVE_CACHE = 32
+
+
+class MatMul:
+    """y = x W^T (+ b) through vLLM CPU's oneDNN matmul handler (`onednn_mm`, what vLLM's own
+    linear layers run on a CPU): the handler holds W once, reordered into oneDNN's blocked
+    layout, and a primitive per row count. Measured on the 2-core Xeon against torch's mkldnn
+    packed linear, SmolLM2's 30 layers + head in bf16: 1 row 26.4 -> 23.4 ms on one thread,
+    15.4 -> 13.1 ms on two; 128 rows 48.7 -> 44.4 ms; 512 rows even.
+
+    The handler is C++ memory outside torch's allocator, released when this object is."""
+
+    __slots__ = ("handler", "in_features", "out_features", "bias", "release", "__weakref__")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        # A tensor holds the pointer, as vLLM's CPUDNNLGEMMHandler does, so the op can take it.
+        pointer = torch.ops._C.create_onednn_mm_handler(weight.t(), _PRIMITIVE_CACHE)
+        self.handler = torch.tensor(pointer, dtype=torch.int64)
+        self.release = weakref.finalize(self, torch.ops._C.release_dnnl_matmul_handler, pointer)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((*x.shape[:-1], self.out_features))
+        torch.ops._C.onednn_mm(out, x.reshape(-1, self.in_features), self.bias, self.handler)
+        return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
