@@ -42,26 +42,16 @@ class PendingDecode:
     is_tokens: bool
 
 
-# CPU decode steps of at most this many live rows run on one thread (TorchDevice). Measured
-# under `ttserve up` on 2 cores, SmolLM2 bf16: 1 row 22 -> 28 tok/s, 8 rows 144 -> 173 tok/s,
-# 32 rows no change (so 32 rows keep every thread).
-SMALL_DECODE_ROWS = 8
-
-
 class TorchDevice:
-    """The torch reference models and the sim: one torch device (or a simulated mesh).
-
-    On a CPU, a decode of a few rows runs on one thread. Its ~300 small parallel regions each
-    wake the other OpenMP threads (OMP_WAIT_POLICY=PASSIVE, which the worker sets so that threads
-    never spin on cores the gateway needs), and with the serving stack on the same cores a woken
-    thread often waits for its core (SMALL_DECODE_ROWS has the figures)."""
+    """The torch reference models and the sim: one torch device (or a simulated mesh). Every
+    step runs on every thread the worker has (worker/config.py says how they wait between a
+    step's parallel regions)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, traced: Callable[[str], bool]) -> None:
         self.device = device
         self.dtype = dtype
         self.traced = traced
         self.resident_tokens = True  # next-step tokens can be read off device_out by row
-        self._threads = 0  # the worker's thread count, read on the device thread at the first decode
 
     # The reference models and the sim batch every lane's rows in one forward: lanes in process,
     # any top_k on the (torch) sampler, and a KV budget from bytes (the sim's from its profile).
@@ -116,14 +106,8 @@ class TorchDevice:
         if carried_rows:
             rows = list(carried_rows)
             tokens[rows, 0] = previous[rows].to(tokens.device, tokens.dtype)
-        if self.device.type == "cpu":
-            self._threads = self._threads or torch.get_num_threads()
-            live = int((torch.as_tensor(kwargs["start_pos"]) >= 0).sum())
-            torch.set_num_threads(1 if live <= SMALL_DECODE_ROWS else self._threads)
         out = model.decode_forward(tokens=tokens, **kwargs, sampling_params=sampling_params,
                                    enable_trace=self.traced("decode"), read_from_device=False)
-        if self.device.type == "cpu":
-            torch.set_num_threads(self._threads)  # prefill and everything else: every thread
         host_out, events = model.read_decode_output(out, async_read=True)
         return PendingDecode(out, host_out, list(events), sampling_params is not None)
 
