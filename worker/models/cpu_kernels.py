@@ -165,6 +165,9 @@ class MatMul:
     __slots__ = ("handler", "in_features", "out_features", "bias", "release", "__weakref__")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        why = gemm_unavailable(weight)  # also loads the op library
+        if why:
+            raise ValueError(f"the oneDNN matmul cannot hold this weight: {why}")
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         # A tensor holds the pointer, as vLLM's CPUDNNLGEMMHandler does, so the op can take it.
