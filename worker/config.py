@@ -145,16 +145,16 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 def run(args: argparse.Namespace) -> int:
     # Before torch loads libgomp: an OpenMP thread that finishes a parallel region spins for
-    # GOMP_SPINCOUNT iterations before it sleeps. A decode step is ~360 small
-    # parallel regions (5 GEMMs, attention, norms, RoPE per layer), one right after another; a
-    # sleeping thread's wake-up costs tens of us on a VM, so sleeping at once (PASSIVE) made a
-    # 32-row SmolLM2 step 47 -> 72 ms on 2 cores. Spinning without bound (libgomp's default,
-    # 300,000) costs the most when another process keeps one of the cores busy: the barrier
-    # waits out the peer's time slices (32 rows beside a busy-looping process: 79 ms passive,
-    # 85 ms at 2,000, 199 ms at 20,000, 491 ms at the default). Under `ttserve up` with
-    # `vllm bench serve` (benchmarks/vs_vllm.py), 10,000 with every thread in every step served
-    # c=8/32 at 283/540 tok/s, against 178/385 passive with decodes of <= 8 rows on one thread
-    # (the setting before). An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+    # GOMP_SPINCOUNT iterations before it sleeps. A decode step is ~360 small parallel regions
+    # (5 GEMMs, attention, norms, RoPE per layer), one right after another, and waking a
+    # sleeping thread costs tens of us on a VM: sleeping at once (PASSIVE) made a 32-row SmolLM2
+    # step 47 -> 72 ms on 2 cores. Spinning long costs the most when another process keeps one
+    # of the cores busy, as each barrier waits out the peer's time slices (32 rows beside a
+    # busy-looping process: 72-79 ms passive, 85 ms at 2,000, 155 ms at 10,000, 199 ms at
+    # 20,000, 491 ms at libgomp's default 300,000). Under `ttserve up` driven by `vllm bench
+    # serve` (benchmarks/vs_vllm.py), 10,000 with every thread in every step served c=8/32 at
+    # 283/540 tok/s, against 178/385 passive with decodes of <= 8 rows on one thread (the
+    # setting before). An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
     os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
     try:
         tls = worker_tls(args)  # before the model loads: a bad certificate path fails in a second
