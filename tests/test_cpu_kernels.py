@@ -28,19 +28,20 @@ def test_the_kernels_load_here_and_float32_never_takes_them():
     assert "head_dim 24" in cpu_kernels.unavailable(torch.device("cpu"), torch.bfloat16, 64, 24, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("rows", [1, 7, 130])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_the_onednn_matmul_computes_what_f_linear_does_at_any_row_count(rows, bias, single_torch_thread):
+def test_the_onednn_matmul_computes_what_f_linear_does_at_any_row_count(dtype, rows, bias, single_torch_thread):
     # One handler serves every row count (a decode's few rows, a prefill's many), over a
-    # leading batch dimension too; bf16 on both sides, accumulated in float32 by oneDNN.
+    # leading batch dimension too; 16 bits on both sides, accumulated in float32 by oneDNN.
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
-    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
     assert cpu_kernels.gemm_unavailable(w) == ""
     matmul = cpu_kernels.MatMul(w, b)
-    x = torch.randn(2, rows, 64, generator=g).bfloat16()
+    x = torch.randn(2, rows, 64, generator=g).to(dtype)
     got, want = matmul(x), torch.nn.functional.linear(x, w, b)
-    assert got.shape == want.shape == (2, rows, 96) and got.dtype == torch.bfloat16
+    assert got.shape == want.shape == (2, rows, 96) and got.dtype == dtype
     assert float((got.float() - want.float()).abs().max()) <= 0.02 * float(want.float().abs().max())
     with pytest.raises(ValueError, match="float32 runs the plain torch path"):
         cpu_kernels.MatMul(w.float(), None)
