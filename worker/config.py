@@ -121,9 +121,11 @@ def build_service(args: argparse.Namespace, control_identity: str | None = None)
         device_name = f"mesh {plan.mesh.name} {plan.mesh.shape}"
         device_options = DeviceOptions(options, backend_traces=True)
     dtype, dtype_why = resolve_dtype(args.dtype, device)
-    log.info("backend %s (%s); model %s (%s) on %s; dtype %s (%s); %d CPU threads; tt options %s", plan.backend,
-             plan.backend_reason, plan.model_path, plan.architecture, device_name, str(dtype).removeprefix("torch."),
-             dtype_why, threads, options or "none")
+    waits = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if os.environ.get("OMP_WAIT_POLICY")
+             else f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")  # how threads wait (run())
+    log.info("backend %s (%s); model %s (%s) on %s; dtype %s (%s); %d CPU threads (%s); tt options %s",
+             plan.backend, plan.backend_reason, plan.model_path, plan.architecture, device_name,
+             str(dtype).removeprefix("torch."), dtype_why, threads, waits, options or "none")
     runner = ModelRunner(plan.model_path, model_cls, plan.architecture, device, dtype,
                          args.block_size, args.kv_cache_memory_bytes, device_options, device_api)
     return DeviceService(runner, plan.backend, device_name, control_identity=control_identity)
