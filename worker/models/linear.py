@@ -11,12 +11,14 @@ oracle is compared with.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
 
-Kind = str  # "onednn" (cpu_kernels.MatMul), "packed" (mkldnn), "plain" (F.linear)
+Kind = Literal["onednn", "packed", "plain"]  # cpu_kernels.MatMul, mkldnn's packed linear, F.linear
 
 
 def _kind(weight: torch.Tensor) -> Kind:
