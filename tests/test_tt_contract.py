@@ -444,6 +444,18 @@ def test_deepseek_gets_the_mesh_device_count_as_tt_data_parallel():
     assert "rows must be a multiple of 32" in data_parallel_problem(family, 1, 16, tg)
 
 
+def test_qwen3_vl_is_refused_a_second_lane():
+    # Its generator holds one model and ignores empty_slots: a second lane's requests would
+    # prefill into the first lane's KV cache.
+    from ttserve.worker.tt_models import ModelFamily, data_parallel_problem
+    family = ModelFamily.of("models.demos.qwen3_vl.tt.generator_vllm:Qwen3VLForConditionalGeneration")
+    t3k = resolve_mesh("T3K", 8)
+    assert data_parallel_problem(family, 1, 32, t3k) is None
+    assert "--data-parallel-size 1" in data_parallel_problem(family, 2, 32, t3k)
+    qwen25 = ModelFamily.of("models.demos.qwen25_vl.tt.generator_vllm:Qwen2_5_VLForConditionalGeneration")
+    assert data_parallel_problem(qwen25, 2, 32, t3k) is None
+
+
 # ---- --max-model-len -1: one request fits a lane's whole KV cache ------------------------------------
 
 def test_max_model_len_minus_1_fits_a_lane_and_below_is_refused(tmp_path):

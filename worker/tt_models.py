@@ -63,6 +63,10 @@ VLLM_IMPORTING_MODULES = ("models.tt_transformers.tt.generator_vllm", "models.de
 #   cross_page_table): PIL images and a cross-attention page table, the encoder-decoder path the
 #   plugin's model runner refuses ("Encoder-decoder models aren't yet supported for TT").
 ONE_PREFILL_USER_CLASSES = ("Qwen3VLForConditionalGeneration",)
+# Classes whose generator holds one model and no submeshes (models/demos/qwen3_vl/tt/generator.py:
+# `model` is `model[0]`, "change this when implementing data parallelism"); its prefill_forward
+# ignores empty_slots and prefills batch index i as user i, so a second lane cannot be served.
+SINGLE_LANE_CLASSES = ("Qwen3VLForConditionalGeneration",)
 CROSS_ATTENTION_CLASSES = ("MllamaForConditionalGeneration", "Mistral3ForConditionalGeneration")
 
 # What a tt-metal host installs for those modules: the vLLM build tt-metal's LLMs table pins,
@@ -124,6 +128,10 @@ _TT_TRANSFORMERS_BATCHES = frozenset({1, 2, 4, 8, 16, 32})
 
 def data_parallel_problem(family: ModelFamily, num_lanes: int, max_num_seqs: int, spec: MeshSpec) -> str | None:
     """Why `initialize_vllm_model` would refuse this lane count on this mesh, with what to do."""
+    if family.class_name in SINGLE_LANE_CLASSES and num_lanes > 1:
+        return (f"--data-parallel-size {num_lanes}: {family.class_name}'s generator holds one model and "
+                "ignores empty_slots (models/demos/qwen3_vl/tt/generator.py), so every request would "
+                "prefill into the first lane's KV cache: use --data-parallel-size 1")
     if family.is_galaxy_generator and num_lanes % spec.cols:
         # llama3_70b_galaxy generator_vllm: "Total DP must be divisible by dp_attention_factor",
         # the factor being mesh_device.shape[1].

@@ -3,7 +3,9 @@ as models/demos/qwen25_vl's class (fakes/fake_tt_vision.py), with the difference
 file: enable_trace is forced off in prefill, decode takes no update contract (reset_batch), and
 a batch's images are read only when its first user has some ("we currently do not support mixed
 inputs of text-only users and text-image users"): a mixed batch is an error here, where the real
-class would crash on a None user or drop the other users' images.
+class would crash on a None user or drop the other users' images. empty_slots is ignored: its
+generator (models/demos/qwen3_vl/tt/generator.py) prefills batch index i as user i of its one
+model.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ class Qwen3VLForConditionalGeneration(ModelCapabilitiesMixin, make_model_class(T
                           image_grid_thw=kwargs.get("image_grid_thw"), rope_deltas=deltas,
                           sampling_params=kwargs.get("sampling_params"))
         logits = super().prefill_forward(tokens, page_table, kv_cache, torch.as_tensor(prompt_lens),
-                                         torch.as_tensor(start_pos), False, None, kwargs.get("empty_slots"))
+                                         torch.as_tensor(start_pos), False, None, range(tokens.shape[0]))
         return logits, torch.tensor(deltas)
 
     def decode_forward(self, *args: Any, **kwargs: Any):
