@@ -195,8 +195,8 @@ class _EngineState(Collector):
                                   "1 while the worker is warmed up and its lane group serves.",
                                   labels=["worker"])
         stalled = GaugeMetricFamily("ttserve_worker_stalled",
-                                    "1 while work is in flight and no step finished within "
-                                    "--stall-timeout.", labels=["worker"])
+                                    "1 from a step held past --stall-timeout (its requests moved) "
+                                    "until the worker warms up again.", labels=["worker"])
         warmup = GaugeMetricFamily("ttserve_worker_warmup_progress",
                                    "Warmup progress of the worker, 0-1.", labels=["worker"])
         for g in engine.workers:

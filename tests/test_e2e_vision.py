@@ -134,9 +134,10 @@ def test_an_image_too_large_for_a_prefill_chunk_is_a_clear_400(client, model_nam
 def test_an_undecodable_image_is_a_clear_400(client, model_name):
     broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
         b"this is not a png").decode()}}, {"type": "text", "text": "What is it?"}]
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": broken}],
                                        max_tokens=4)
+    assert "image" in str(e.value).lower()
 
 
 @pytest.fixture
@@ -191,7 +192,7 @@ def test_http_image_urls_are_refused_unless_the_operator_allows_their_host(clien
 def test_too_many_images_is_a_clear_400(client, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, model_name, [make_image(56, 56, i) for i in range(4)] + ["Four images."])
-    assert "image" in str(e.value).lower()
+    assert "At most 3 image(s) may be provided in one prompt" in str(e.value)
 
 
 def test_refused_requests_leak_no_kv_blocks_and_the_server_keeps_serving(client, model_name, hf_tiny_vlm,

@@ -64,7 +64,7 @@ def ours_greedy(model, kv, prompt: list[int], pixels, grids, n: int, row: int = 
     """Greedy decoding through the contract: prefill (in chunks ending at `chunks`), then
     decode one token per step; each image's pixels go with the chunk that covers it."""
     table = torch.zeros(2 * 2, 64, dtype=torch.int32)
-    table[row, :] = torch.arange(64, dtype=torch.int32) % 48 + (0 if row < 2 else 0)
+    table[row, :] = torch.arange(64, dtype=torch.int32) % 48
     image_token = model.image_token_id
     where = [i for i, t in enumerate(prompt) if t == image_token]
     offsets, used = [], 0

@@ -1,8 +1,8 @@
 """Dense tensors on the wire (multimodal.proto `Tensor`): torch <-> protobuf, bit for bit.
 
 Shared by the gateway (which sends its processor's outputs) and the worker (which hands them to
-the model). The control plane forwards the messages without reading them, so it never imports
-torch; this module imports it only when called.
+the model). The control plane checks their shapes and sizes at admission (tensor_problem, no
+torch) and forwards them untouched; this module imports torch only when called.
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
 
 
 def _image(m: multimodal_pb2.MultiModalInput) -> ImageInput:
-    # A malformed tensor raises TensorError: the step fails with its message (a client bug the
-    # gateway's own conversion never produces).
+    # The control plane refuses malformed tensors at admission; one that still arrives (a peer
+    # that skipped it) raises TensorError and fails the step with its message.
     return ImageInput(m.hash, m.offset, m.length, {name: tensor_from_pb(t) for name, t in m.data.items()})
 
 

@@ -1,6 +1,7 @@
 """A tt-metal-style model that records how it is driven and computes deterministic tokens.
 
-Signatures follow tt-metal's Generator as the vLLM plugin calls it: warmup_model_prefill(kv_cache,
+Signatures follow tt-metal's Generator (models/tt_transformers/tt/generator.py) as the vLLM
+plugin calls it (vllm-tt-plugin's model runner): warmup_model_prefill(kv_cache,
 enable_trace, can_sample_on_device), guarded by `already_warmed_up_prefill`; warmup_model_decode(
 kv_cache, enable_trace, max_batch_size, num_blocks, can_sample_on_device); prefill_forward(tokens,
 page_table, kv_cache, prompt_lens, start_pos, enable_trace, sampling_params, empty_slots);

@@ -1,4 +1,5 @@
-"""A recording stand-in for the parts of the `ttnn` module (0.81.1 names) the worker uses.
+"""A recording stand-in for the parts of the `ttnn` module (0.81.1 names; tt-metal's ttnn/ package,
+as its wheel installs it) the worker uses.
 
 Every call lands in one shared `Recorder`, together with the fake model's calls, so a test can
 assert the order across both. `fail` makes a named call raise, as a chipless or broken host does.

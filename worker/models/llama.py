@@ -309,7 +309,8 @@ class TorchLlamaForCausalLM:
                           num_layers: int) -> KVCache:
         """One cache per lane: [lane][layer] -> [K, V], each kv_cache_shape plus one scratch block
         (the last) that static-shape decode steps write their empty rows into. The tensors are
-        views of one storage per lane (worker/models/paged_kv.py), which attention reads fastest."""
+        views of one storage per lane: vLLM CPU's layout when its kernels serve the model
+        (cpu_kernels.allocate), else worker/models/paged_kv.py's."""
         blocks, kv_heads, block_size, head_dim = kv_cache_shape
         if (kv_heads, head_dim) != (self.shape.num_kv_heads, self.shape.head_dim):
             raise ValueError(f"kv_cache_shape {tuple(kv_cache_shape)} does not fit the model: "
