@@ -70,7 +70,7 @@ class Engine:
     def limits(self) -> Limits | None:
         s = self.serving
         return Limits(max_model_len=s.max_model_len, vocab_size=s.vocab_size, supports_images=s.supports_images,
-                      max_image_blocks=images.max_blocks(s.chunk_limit, s.block_size) if s.chunk_limit else 0,
+                      max_image_blocks=images.max_blocks(s.chunk_limit, s.block_size),
                       block_size=s.block_size) if s else None
 
     # ---- client sessions -----------------------------------------------------------------

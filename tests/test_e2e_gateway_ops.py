@@ -67,12 +67,6 @@ def stack(tmp_path_factory, smollm2):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def model_name(stack) -> str:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused",
-                         max_retries=0).models.list().data[0].id
-
-
 def gateway_service(stack: Stack) -> Service:
     return stack.services[-1]
 
@@ -86,8 +80,7 @@ def stream_completion(url: str, model_name: str, max_tokens: int):
 
 # ---- /metrics -------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_metrics_name_the_gateway_metrics_and_no_vllm_ones(stack, model_name):
-    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+def test_metrics_name_the_gateway_metrics_and_no_vllm_ones(stack, client, model_name):
     assert client.completions.create(model=model_name, prompt="Hi", max_tokens=2).choices
     response = httpx.get(f"{stack.http_url}/metrics", timeout=10)
     assert response.status_code == 200

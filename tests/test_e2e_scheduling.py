@@ -30,11 +30,6 @@ def stack(tmp_path_factory, smollm2) -> Stack:
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
-
-
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         return model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,

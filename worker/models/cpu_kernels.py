@@ -210,6 +210,7 @@ class Attention:
     seq_lens: torch.Tensor         # [rows] int32: context after this step
     block_table: torch.Tensor      # [rows, blocks] int32
     metadata: torch.Tensor         # the kernel's work split over threads
+    isa: str                       # the kernels' instruction set (isa())
 
     @classmethod
     def plan(cls, start: int, stop: int, slots: torch.Tensor, query_lens: torch.Tensor,
@@ -223,13 +224,14 @@ class Attention:
         metadata = torch.ops._C.get_scheduler_metadata(
             len(query_lens), num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc,
             True, -1, kernel_isa, True, None, "auto")
-        return cls(start, stop, slots, query_start_loc, seq_lens, block_table.to(torch.int32), metadata)
+        return cls(start, stop, slots, query_start_loc, seq_lens, block_table.to(torch.int32), metadata,
+                   kernel_isa)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-                 cache_v: torch.Tensor, out: torch.Tensor, kernel_isa: str) -> None:
+                 cache_v: torch.Tensor, out: torch.Tensor) -> None:
         """Writes k, v [tokens, kv_heads, head_dim] into the cache, then attends q [tokens, heads,
         head_dim] (causal, over each row's whole context) into out."""
-        torch.ops._C.cpu_attn_reshape_and_cache(k, v, cache_k, cache_v, self.slots, kernel_isa)
+        torch.ops._C.cpu_attn_reshape_and_cache(k, v, cache_k, cache_v, self.slots, self.isa)
         torch.ops._C.cpu_attention_with_kv_cache(
             q, cache_k, cache_v, out, self.query_start_loc, self.seq_lens, 1.0 / math.sqrt(q.shape[-1]),
             True, None, -1, self.block_table, 0.0, self.metadata, None, None)

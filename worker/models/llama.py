@@ -579,8 +579,7 @@ class TorchLlamaForCausalLM:
         for lane, attention in step.lanes:
             t = slice(attention.start, attention.stop)
             attention(q[t].view(-1, s.num_heads, s.head_dim), k[t].view(-1, s.num_kv_heads, s.head_dim),
-                      v[t].view(-1, s.num_kv_heads, s.head_dim), *kv_cache[lane][index], out[t],
-                      self.kernel_isa)
+                      v[t].view(-1, s.num_kv_heads, s.head_dim), *kv_cache[lane][index], out[t])
         return layer.o(out.view(tokens, q_width))
 
 
