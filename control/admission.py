@@ -102,9 +102,12 @@ def check_sampling(s: SamplingParams, vocab_size: int) -> None:
                              f"got {s.repetition_penalty}")
     if any(not math.isfinite(bias) for _, bias in s.logit_bias):
         raise AdmissionError("logit_bias values must be finite numbers")
+    # stop and EOS ids too: before min_tokens the worker masks them out of the logits by index.
     for name, ids in (("logit_bias", [t for t, _ in s.logit_bias]),
                       ("allowed_token_ids", s.allowed_token_ids),
-                      ("bad_words", [t for word in s.bad_words for t in word])):
+                      ("bad_words", [t for word in s.bad_words for t in word]),
+                      ("stop_token_ids", sorted(s.stop_token_ids)),
+                      ("eos_token_ids", sorted(s.eos_token_ids))):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise AdmissionError(f"{name} has token id {bad[0]}, out of range: the vocabulary has "

@@ -4,6 +4,7 @@ service, no KV block leaks, and a plain request is served afterwards."""
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 
@@ -77,11 +78,16 @@ def control(tmp_path_factory, smollm2):
     stack.stop()
 
 
+# As test_e2e_gateway_fuzz: CI replays fixed examples; TTSERVE_FUZZ_RANDOM=1 draws new ones.
+DERANDOMIZE = os.environ.get("TTSERVE_FUZZ_RANDOM") != "1"
+
+
 def test_random_client_messages_get_an_admission_or_a_clean_refusal(control):
     session = Session(control.control_address)
     counter = iter(range(10**9))
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              derandomize=DERANDOMIZE)
     @given(st.one_of(add_messages(), ABORTS))
     def one(message: engine_pb2.ClientMessage) -> None:
         if message.HasField("abort"):
@@ -93,7 +99,8 @@ def test_random_client_messages_get_an_admission_or_a_clean_refusal(control):
         if admission.verdict != engine_pb2.Admission.VERDICT_ACCEPTED:
             assert admission.message, admission  # a refusal says what was wrong
         s = message.add.sampling
-        if not (math.isfinite(s.temperature) and s.temperature >= 0) or not 0 < s.top_p <= 1:
+        top_p = s.top_p or 1.0  # proto3: 0 is unset, which engine.proto's "1 = off" fills (control/wire.py)
+        if not (math.isfinite(s.temperature) and s.temperature >= 0) or not 0 < top_p <= 1:
             assert admission.verdict == engine_pb2.Admission.VERDICT_INVALID_ARGUMENT, (message, admission)
 
     one()

@@ -473,9 +473,16 @@ def add_pb(**sampling) -> engine_pb2.AddRequest:
     (dict(logit_bias={100: 1.0}), "logit_bias has token id 100"),
     (dict(allowed_token_ids=[5, 64]), "allowed_token_ids has token id 64"),
     (dict(bad_words=[engine_pb2.BadWords(token_ids=[5, 99])]), "bad_words has token id 99"),
+    # Found by test_e2e_fuzz_session: an out-of-range stop id masked before min_tokens failed the
+    # whole worker step (IndexError), not the one request.
+    (dict(stop_token_ids=[2519360], min_tokens=2), "stop_token_ids has token id 2519360"),
+    (dict(eos_extra=[64]), "eos_token_ids has token id 64"),
 ])
 def test_host_options_out_of_range_are_refused_with_the_rule(sampling, words):
-    request, unsupported = request_from_pb(add_pb(**sampling), client_id=1)
+    eos = sampling.pop("eos_extra", [])
+    add = add_pb(**sampling)
+    add.eos_token_ids.extend(eos)
+    request, unsupported = request_from_pb(add, client_id=1)
     with pytest.raises(AdmissionError) as e:
         check_request(request, unsupported, Limits(max_model_len=64, vocab_size=64))
     assert words in str(e.value)
