@@ -63,7 +63,7 @@ def ttserve_metrics() -> Callable[[Request, float], None]:
     def work(request: Request, now: float) -> None:
         new = request.record_tokens(now)
         if new:
-            metrics.progressed(request, new)
+            metrics.progressed(request, new, "0")
 
     return work
 

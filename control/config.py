@@ -4,12 +4,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
+from pathlib import Path
 
 from ttserve.tls import TlsConfigError, grpc_server_tls
 from ttserve.tls import add_arguments as add_tls_arguments
 
 from .engine import Engine
 from .engine_config import EngineConfig
+from .worker_set import WorkerSetError, WorkerSpec, combine, follow_file, parse_entry, parse_file
 
 log = logging.getLogger("ttserve.control")
 
@@ -22,9 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("control plane")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=50051, help="gRPC port of engine.proto")
-    g.add_argument("--worker", action="append", default=None, metavar="HOST:PORT",
-                   help="device worker address, repeatable: each worker's lanes join the pool "
-                        "(default 127.0.0.1:50061)")
+    g.add_argument("--worker", action="append", default=None, metavar="[NAME=]HOST:PORT",
+                   help="a device worker, repeatable: each worker's lanes join the pool. NAME (default "
+                        "HOST:PORT) labels its metrics; HOST may be a DNS name, resolved again on every "
+                        "reconnect (default 127.0.0.1:50061 unless --workers-file is given)")
+    g.add_argument("--workers-file", default=None, metavar="PATH",
+                   help="more workers, one [NAME=]HOST:PORT a line (# comments), read again on SIGHUP "
+                        "and whenever the file changes: workers listed join while serving, workers "
+                        "no longer listed are drained (their requests move to the others) and dropped")
     g.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once, per lane")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="prefill tokens per step; longer prompts are prefilled in chunks")
@@ -72,6 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
 
 
+def initial_workers(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
+    """--worker's workers and those the --workers-file lists at start-up (which must be readable:
+    a file that cannot be read at start is a configuration error, later it only keeps the set)."""
+    flagged = [parse_entry(entry) for entry in args.worker or ()]
+    if args.workers_file:
+        try:
+            listed = parse_file(Path(args.workers_file))
+        except OSError as e:
+            raise WorkerSetError(f"--workers-file {args.workers_file}: cannot read it ({e.strerror or e})") from None
+        return combine(flagged + listed)
+    return combine(flagged or [parse_entry("127.0.0.1:50061")])
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, flag) != 1:
@@ -87,9 +108,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be a positive number of lanes per worker, "
                           f"got {args.data_parallel_size}")
-    workers = tuple(args.worker or ["127.0.0.1:50061"])
-    if len(set(workers)) != len(workers):
-        raise ConfigError(f"--worker lists an address twice: {' '.join(workers)}")
+    try:
+        workers = initial_workers(args)
+    except WorkerSetError as e:
+        raise ConfigError(str(e)) from None
     if args.stall_timeout <= 0:
         raise ConfigError(f"--stall-timeout must be positive seconds, got {args.stall_timeout}")
     if args.warmup_timeout <= 0:
@@ -110,7 +132,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tls = grpc_server_tls(args, "control plane")
     except TlsConfigError as e:
         raise ConfigError(str(e)) from None
-    return EngineConfig(workers=workers, tls=tls, max_num_seqs=args.max_num_seqs,
+    return EngineConfig(workers=workers, workers_file=args.workers_file or "", tls=tls, max_num_seqs=args.max_num_seqs,
                         data_parallel_size=args.data_parallel_size,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
@@ -150,12 +172,19 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
                              health=lambda: (not engine.draining, "the control plane is shutting down"),
                              ready=lambda: (engine.ready, engine.not_ready_reason))
     runner = asyncio.create_task(engine.run())
+    reread = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reread.set)
+    follower = asyncio.create_task(follow_file(
+        Path(config.workers_file), tuple(parse_entry(e) for e in args.worker or ()), engine.set_workers,
+        reread)) if config.workers_file else None
     try:
         if not await run_service(serve(engine, args.host, args.port, config.tls), (args.host, args.metrics_port),
                                  endpoints, "control plane", drain, engine.fatal):
             return 1
     finally:
         runner.cancel()
+        if follower is not None:
+            follower.cancel()
     if engine.fatal.done():
         log.error("%s", engine.fatal.result())
         return 1

@@ -18,12 +18,16 @@ from .engine_config import EngineConfig, ServingLimits
 from .placement import choose_lane
 from .request import FinishReason, Request
 from .wire import WorkerDescription, admission_pb, mm_inputs_problem, output_to_pb, request_from_pb
-from .worker_group import IncompatibleWorker, WorkerGroup, WorkerLost
+from .worker_group import IncompatibleWorker, WorkerDraining, WorkerGroup, WorkerLost
 from .worker_link import WorkerError
+from .worker_set import WorkerSpec
 
 __all__ = ["Engine", "EngineConfig", "IncompatibleWorker"]
 
 log = logging.getLogger(__name__)
+# A worker refused as incompatible is asked again this often: its operator may restart it with
+# the right flags, and it must not flood the log meanwhile.
+REFUSED_RETRY_S = 30.0
 # One line per finished request, key=value pairs (logfmt), for log pipelines to parse.
 request_log = logging.getLogger("ttserve.requests")
 
@@ -35,7 +39,15 @@ class Engine:
         self._clients: dict[int, asyncio.Queue[engine_pb2.ServerMessage | None]] = {}
         self._next_client_id = 1
         self.metrics = metrics or ControlMetrics()
-        self.workers = [WorkerGroup(i, address, config, self.metrics) for i, address in enumerate(config.workers)]
+        # By id, in the order they joined; an id is never reused, so a request's `worker` never
+        # names a later worker. --workers-file adds and removes workers at run time (set_workers).
+        self.workers: dict[int, WorkerGroup] = {}
+        self._drivers: dict[int, asyncio.Task] = {}
+        self.worker_names: dict[int, str] = {}  # every id ever given: a finished request names its last
+        self._next_worker_id = 0
+        self._running = False
+        for spec in config.workers:
+            self._add_worker(spec)
         self.metrics.watch(self)
         self.draining = False
         self.serving: ServingLimits | None = None
@@ -43,28 +55,33 @@ class Engine:
         self.grammars: GrammarCompiler | None = None
         self._compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ttserve-grammar")
         self.fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        # Requests of a lost worker waiting for a ready one (in the order they were lost).
+        # Requests of a lost worker waiting for a ready one (in the order they were lost); those
+        # of a drained or removed worker are handed off, which spends no --migration-limit.
         self._migrating: list[Request] = []
+        self._handed_off: set[str] = set()
         for reason in ("invalid", "unavailable", "draining", "overloaded"):
             self.metrics.refused.labels(reason)  # exported as 0 from the start
-        for outcome in ("requeued", "failed_limit", "failed_timeout"):
+        for outcome in ("requeued", "handed_off", "failed_limit", "failed_timeout"):
             self.metrics.migrations.labels(outcome)  # exported as 0 from the start
 
     @property
     def ready(self) -> bool:
         """Can serve a request now: not draining, and some worker is warm and not stalled."""
-        return not self.draining and any(w.ready and not w.stalled for w in self.workers)
+        return not self.draining and bool(self._serving_workers())
 
     @property
     def not_ready_reason(self) -> str:
         if self.draining:
             return "the control plane is shutting down"
-        return "; ".join(f"worker {w.index} at {w.address}: {w.state}" for w in self.workers)
+        if not self.workers:
+            return "no worker is configured (--worker, --workers-file)"
+        return "; ".join(f"worker {w.name} at {w.address}: {w.state}" for w in self.workers.values())
 
     def _serving_workers(self) -> list[WorkerGroup]:
         """Where new requests go: warm workers that are not stalled. With none, new requests are
-        refused at once (HTTP 503) rather than queued behind a step that may never return."""
-        return [w for w in self.workers if w.ready and not w.stalled]
+        refused at once (HTTP 503) rather than queued behind a step that may never return. A
+        draining worker takes nothing new."""
+        return [w for w in self.workers.values() if w.serving]
 
     @property
     def limits(self) -> Limits | None:
@@ -102,7 +119,7 @@ class Engine:
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_UNAVAILABLE,
                                           f"no worker is ready ({self.not_ready_reason})"))
             return
-        queued = len(self._migrating) + sum(load.waiting for w in self.workers for load in w.loads())
+        queued = len(self._migrating) + sum(load.waiting for w in self.workers.values() for load in w.loads())
         if queued >= self.config.max_num_queued_reqs:
             self.metrics.refused.labels("overloaded").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_OVERLOADED,
@@ -141,10 +158,12 @@ class Engine:
         def done(f: asyncio.Future[Grammar]) -> None:
             if self.requests.get(request.request_id) is not request:
                 return  # aborted or failed while compiling
-            worker = self.workers[request.worker]
             error = f.exception() if not f.cancelled() else GrammarError("grammar compilation was cancelled")
             if error is None:
-                worker.grammar_compiled(request, f.result())
+                if request in self._migrating:  # on no lane: it carries the grammar to its next one
+                    request.grammar_ready(f.result())
+                else:
+                    self.workers[request.worker].grammar_compiled(request, f.result())
                 log.debug("request %s: %s grammar compiled in %.3f s", request.request_id, spec.kind,
                           time.monotonic() - started)
             else:
@@ -174,38 +193,96 @@ class Engine:
 
     # ---- workers -------------------------------------------------------------------------
     async def run(self) -> None:
-        """Drive every worker; a configuration the workers cannot serve resolves `fatal`."""
-        tasks = [asyncio.create_task(self._drive(w)) for w in self.workers]
+        """Drive every worker, those that join later too, until cancelled; a fault the control
+        plane cannot serve past resolves `fatal`."""
+        self._running = True
+        for worker in self.workers.values():
+            self._start_driver(worker)
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                error = task.exception()
-                if error is not None and not self.fatal.done():
-                    # The control plane cannot go on: it exits non-zero for its supervisor.
-                    self.fatal.set_result(str(error) if isinstance(error, IncompatibleWorker) else
-                                          f"the engine failed: {type(error).__name__}: {error}")
+            await asyncio.Event().wait()
         finally:
-            for task in tasks:
+            for task in self._drivers.values():
                 task.cancel()
             self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
+    def set_workers(self, specs: tuple[WorkerSpec, ...]) -> None:
+        """Serve exactly these workers: new names join, absent names are removed (their requests
+        handed off), a name whose address changed is removed and joins again."""
+        wanted = {spec.name: spec for spec in specs}
+        for worker in list(self.workers.values()):
+            spec = wanted.get(worker.name)
+            if spec is None or spec.address != worker.address:
+                self._remove_worker(worker)
+        present = {worker.name for worker in self.workers.values()}
+        for spec in specs:
+            if spec.name not in present:
+                log.info("worker %s at %s joins", spec.name, spec.address)
+                self._add_worker(spec)
+
+    def _add_worker(self, spec: WorkerSpec) -> WorkerGroup:
+        worker = WorkerGroup(self._next_worker_id, spec.address, self.config, self.metrics, name=spec.name)
+        self._next_worker_id += 1
+        self.workers[worker.index] = worker
+        self.worker_names[worker.index] = worker.name
+        if self._running:
+            self._start_driver(worker)
+        return worker
+
+    def _remove_worker(self, worker: WorkerGroup) -> None:
+        held = worker.release()
+        del self.workers[worker.index]
+        task = self._drivers.pop(worker.index, None)
+        if task is not None:
+            task.cancel()  # its `finally` closes the link
+        log.warning("worker %s at %s removed (no longer in --workers-file); %d request(s) move to the "
+                    "other workers", worker.name, worker.address, len(held))
+        self._migrate(held, f"worker {worker.name} at {worker.address} was removed", handed_off=True)
+
+    def _start_driver(self, worker: WorkerGroup) -> None:
+        task = asyncio.create_task(self._drive(worker), name=f"ttserve-worker-{worker.name}")
+        self._drivers[worker.index] = task
+
+        def ended(t: asyncio.Task) -> None:
+            if t.cancelled() or self.fatal.done():
+                return
+            error = t.exception()
+            if error is not None:
+                # The control plane cannot go on: it exits non-zero for its supervisor.
+                self.fatal.set_result(str(error) if isinstance(error, IncompatibleWorker) else
+                                      f"the engine failed: {type(error).__name__}: {error}")
+
+        task.add_done_callback(ended)
+
     async def _drive(self, worker: WorkerGroup) -> None:
-        """The step loop of one worker, as long as the control plane runs: connect and warm it
-        up, check it against the serving limits, then publish each step's result; a worker lost
-        fails what it held and is reconnected."""
+        """The step loop of one worker, as long as it is in the set: connect and warm it up,
+        check it against the serving limits, then publish each step's result; a worker lost
+        hands back what it held (to migrate) and is reconnected. An incompatible worker is
+        refused alone and asked again later, unless it is the only one (then nothing can serve:
+        IncompatibleWorker ends the control plane)."""
         while True:
+            retry_s = self.config.reconnect_interval_s
             try:
-                warm = await worker.connect()
+                warm = await worker.connect(len(self.workers))
                 worker.start(self._check_limits(warm, warm.num_blocks_per_lane * warm.block_size).max_model_len)
                 self._place_migrating()
                 async for stepped in worker.steps():
                     self._publish(stepped.step_id, stepped.changed)
+            except WorkerDraining as e:
+                worker.not_ready_reason = str(e)
+                log.warning("%s; %d request(s) move to the other workers", e, len(e.requests))
+                self._migrate(e.requests, str(e), handed_off=True)
             except WorkerError as e:
                 worker.not_ready_reason = str(e)
                 log.error("%s; reconnecting", e)
                 self._migrate(e.requests if isinstance(e, WorkerLost) else worker.release(), str(e))
-            except IncompatibleWorker:
-                raise
+            except IncompatibleWorker as e:
+                if len(self.workers) <= 1:
+                    raise
+                worker.not_ready_reason = f"refused: {e}"
+                log.error("worker %s at %s refused (the others serve on): %s; asked again in %.0f s",
+                          worker.name, worker.address, e, REFUSED_RETRY_S)
+                self._migrate(worker.release(), str(e))
+                retry_s = REFUSED_RETRY_S
             except Exception as e:  # noqa: BLE001 - a fault in this worker's loop takes only its link
                 reason = (f"the control plane's step loop for the worker at {worker.address} failed "
                           f"({type(e).__name__}: {e})")
@@ -215,7 +292,7 @@ class Engine:
             finally:
                 worker.release()
                 await worker.close()
-            await asyncio.sleep(self.config.reconnect_interval_s)
+            await asyncio.sleep(retry_s)
 
     def _check_limits(self, d: WorkerDescription, lane_capacity: int) -> ServingLimits:
         """The first worker fixes the serving limits; later ones must serve the same model and
@@ -289,7 +366,7 @@ class Engine:
         for request in changed:
             new = request.record_tokens(mono)
             if new:
-                self.metrics.progressed(request, new)
+                self.metrics.progressed(request, new, self.worker_names[request.worker])
             by_client.setdefault(request.client_id, []).append(output_to_pb(request))
             request.mark_sent()
             if request.is_finished:
@@ -310,37 +387,42 @@ class Engine:
                 if request.first_token_time is not None else "-")
         error = f" error={json.dumps(request.error)}" if request.error else ""
         request_log.info(
-            "request_finished id=%s worker=%d lane=%d prompt_tokens=%d generated_tokens=%d "
+            "request_finished id=%s worker=%s lane=%d prompt_tokens=%d generated_tokens=%d "
             "cached_tokens=%d preemptions=%d migrations=%d ttft_s=%s duration_s=%.3f finish_reason=%s%s",
-            json.dumps(request.request_id), request.worker, request.lane, request.num_prompt_tokens,
+            json.dumps(request.request_id), json.dumps(self.worker_names[request.worker]), request.lane, request.num_prompt_tokens,
             len(request.output_token_ids), request.num_cached_tokens, request.num_preemptions,
             request.num_migrations, ttft,
             now - request.received_time, request.finish_reason.value if request.finish_reason else "-",
             error)
 
     # ---- migration -------------------------------------------------------------------------
-    def _migrate(self, lost: list[Request], reason: str) -> None:
+    def _migrate(self, lost: list[Request], reason: str, handed_off: bool = False) -> None:
         """Requests of a lost worker move to a lane of a ready worker (or of this one once it is
         back), where they recompute from prompt + the tokens they have: the client sees a pause,
         not an error. Past --migration-limit they fail with the cause; a request that finds no
-        ready worker within --migration-timeout fails too."""
+        ready worker within --migration-timeout fails too. Requests `handed_off` by a worker that
+        drains or is removed move the same way, but spend none of their --migration-limit: the
+        move was planned, not a fault of theirs."""
         failed: list[Request] = []
         loop = asyncio.get_running_loop()
         for request in lost:
             if self.requests.get(request.request_id) is not request:
                 continue  # ended meanwhile
-            if request.num_migrations >= self.config.migration_limit:
+            if not handed_off and request.num_migrations >= self.config.migration_limit:
                 self.metrics.migrations.labels("failed_limit").inc()
                 request.finish(FinishReason.ERROR, f"{reason}; the request was not migrated again: it moved "
                                f"{request.num_migrations} time(s) already (--migration-limit "
                                f"{self.config.migration_limit})")
                 failed.append(request)
                 continue
-            request.num_migrations += 1
+            if handed_off:
+                self._handed_off.add(request.request_id)
+            else:
+                request.num_migrations += 1
             self._migrating.append(request)
             loop.call_later(self.config.migration_timeout_s, self._migration_expired, request, reason)
         if self._migrating:
-            log.warning("migrating %d request(s) off the lost worker: %s", len(self._migrating), reason)
+            log.warning("migrating %d request(s) off the worker: %s", len(self._migrating), reason)
         self._place_migrating()
         self._publish(0, failed)
 
@@ -351,15 +433,18 @@ class Engine:
         for request in self._migrating:
             placed = choose_lane([c for w in ready for c in w.candidates()], request)
             self.workers[placed.worker].adopt(request, placed.index)
-            self.metrics.migrations.labels("requeued").inc()
-            log.info("request %s migrated to worker %d lane %d: recomputing %d tokens", request.request_id,
-                     placed.worker, placed.index, request.num_tokens)
+            outcome = "handed_off" if request.request_id in self._handed_off else "requeued"
+            self._handed_off.discard(request.request_id)
+            self.metrics.migrations.labels(outcome).inc()
+            log.info("request %s moved to worker %s lane %d: recomputing %d tokens", request.request_id,
+                     self.workers[placed.worker].name, placed.index, request.num_tokens)
         self._migrating.clear()
 
     def _migration_expired(self, request: Request, reason: str) -> None:
         if request not in self._migrating:
             return  # placed, or ended
         self._migrating.remove(request)
+        self._handed_off.discard(request.request_id)
         self.metrics.migrations.labels("failed_timeout").inc()
         request.finish(FinishReason.ERROR, f"{reason}; no worker was ready to take the request within "
                        f"--migration-timeout {self.config.migration_timeout_s:g} s")
@@ -369,6 +454,7 @@ class Engine:
         """Finish a request the serving side ends (its lane frees its row and blocks)."""
         if request in self._migrating:  # on no lane
             self._migrating.remove(request)
+            self._handed_off.discard(request.request_id)
             request.finish(reason, message)
             return
         self.workers[request.worker].end(request, reason, message)

@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 from ttserve.tls import PLAINTEXT, Tls
 
+from .worker_set import WorkerSpec
+
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
-    workers: tuple[str, ...]
+    workers: tuple[WorkerSpec, ...]   # at start-up; --workers-file may change the set later
+    workers_file: str = ""            # re-read on SIGHUP and when it changes ("" = none)
     max_num_seqs: int = 32            # per lane
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity

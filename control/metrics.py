@@ -61,8 +61,9 @@ class ControlMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         # Per-token events: plain tallies and TokenHistograms, exported by _EngineState.
-        self.prompt_tokens: Tally[int] = Tally()        # by worker index
-        self.generation_tokens: Tally[int] = Tally()    # by worker index
+        # By worker name: a worker removed and added again under its name counts on.
+        self.prompt_tokens: Tally[str] = Tally()
+        self.generation_tokens: Tally[str] = Tally()
         self.itl = TokenHistogram("ttserve_inter_token_latency_seconds",
                                   "Time between successive tokens.", ITL_BUCKETS)
         self.request_success = Counter(
@@ -120,30 +121,30 @@ class ControlMetrics:
         self.registry.register(_EngineState(engine))
 
     # ---- events ------------------------------------------------------------------------------
-    def step(self, worker: int, kind: StepKind, traced: bool, sampled_on_device: bool,
+    def step(self, w: str, kind: StepKind, traced: bool, sampled_on_device: bool,
              worker_s: float, rtt_s: float) -> None:
-        w = str(worker)
         self.steps.labels(w, kind.value, "traced" if traced else "eager").inc()
         self.step_duration.labels(w, kind.value).observe(worker_s)
         self.step_rtt.labels(w, kind.value).observe(rtt_s)
         if kind is not StepKind.EMPTY:
             self.sampling.labels(w, "device" if sampled_on_device else "host").inc()
 
-    def progressed(self, request: Request, new: int) -> None:
-        """Count the `new` tokens that reached `request` together (Request.record_tokens)."""
+    def progressed(self, request: Request, new: int, worker: str) -> None:
+        """Count the `new` tokens that reached `request` together (Request.record_tokens) on the
+        worker named `worker`."""
         if request.previous_token_time is None:  # the first arrival: TTFT
             self.ttft.observe(request.first_token_time - request.received_time)
             if request.scheduled_time is not None:
                 self.queue_time.observe(request.scheduled_time - request.received_time)
                 self.prefill_time.observe(request.first_token_time - request.scheduled_time)
-            self.prompt_tokens[request.worker] += request.num_prompt_tokens
+            self.prompt_tokens[worker] += request.num_prompt_tokens
             after_first = new - 1
         else:
             after_first = new
         if after_first > 0 and request.previous_token_time is not None:
             # Tokens that arrive together (a pipelined pair) share the interval evenly.
             self.itl.observe((request.last_token_time - request.previous_token_time) / after_first, after_first)
-        self.generation_tokens[request.worker] += new
+        self.generation_tokens[worker] += new
 
     def finished(self, request: Request, now: float) -> None:
         assert request.finish_reason is not None
@@ -171,9 +172,10 @@ class _EngineState(Collector):
                                      labels=["worker"])
         generation = CounterMetricFamily("ttserve_generation_tokens", "Generated tokens.",
                                          labels=["worker"])
-        for g in engine.workers:
-            prompt.add_metric([str(g.index)], metrics.prompt_tokens[g.index])
-            generation.add_metric([str(g.index)], metrics.generation_tokens[g.index])
+        for w in sorted({*metrics.prompt_tokens, *metrics.generation_tokens,
+                         *(g.name for g in engine.workers.values())}):
+            prompt.add_metric([w], metrics.prompt_tokens[w])
+            generation.add_metric([w], metrics.generation_tokens[w])
         yield from (prompt, generation, metrics.itl.family())
         running = GaugeMetricFamily("ttserve_num_requests_running",
                                     "Requests holding a device row.", labels=["worker", "lane"])
@@ -199,8 +201,8 @@ class _EngineState(Collector):
                                     "until the worker warms up again.", labels=["worker"])
         warmup = GaugeMetricFamily("ttserve_worker_warmup_progress",
                                    "Warmup progress of the worker, 0-1.", labels=["worker"])
-        for g in engine.workers:
-            w = str(g.index)
+        for g in engine.workers.values():
+            w = g.name
             for load in g.loads():
                 labels = [w, str(load.lane)]
                 running.add_metric(labels, load.running)

@@ -147,6 +147,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def grammar_ready(self, grammar: Grammar) -> None:
+        """Its grammar compiled: it may be scheduled (it waited aside until now)."""
+        self.grammar, self.ready = grammar, True
+
     def finish(self, reason: FinishReason, error: str = "") -> None:
         """Mark it finished; whoever held its slot and blocks has given them back."""
         self.status, self.finish_reason, self.error = RequestStatus.FINISHED, reason, error

@@ -93,7 +93,7 @@ class Scheduler:
 
     def grammar_compiled(self, request: Request, grammar: Grammar) -> None:
         """`request`'s grammar is ready: it may be scheduled (it waited aside until now)."""
-        request.grammar, request.ready = grammar, True
+        request.grammar_ready(grammar)
 
     @property
     def num_waiting(self) -> int:

@@ -54,7 +54,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def GetModelInfo(self, request: engine_pb2.ModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
         engine = self.engine
-        ready = [g for g in engine.workers if g.ready]
+        ready = [g for g in engine.workers.values() if g.ready]
         if not ready or engine.serving is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"the control plane is not ready: {engine.not_ready_reason}")
@@ -72,7 +72,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         engine = self.engine
         info = engine_pb2.ServerInfo(protocol_version=PROTOCOL_VERSION, version=ttserve.__version__,
                                      ready=engine.ready, draining=engine.draining)
-        for worker in engine.workers:
+        for worker in engine.workers.values():
             d = worker.description
             lanes = worker.loads()
             info.workers.add(address=worker.address, ready=worker.ready,
@@ -82,7 +82,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                              num_waiting=sum(lane.waiting for lane in lanes),
                              kv_blocks_used=sum(lane.blocks_used for lane in lanes),
                              kv_blocks_total=sum(lane.blocks_total for lane in lanes),
-                             stalled=worker.stalled, state=worker.state)
+                             stalled=worker.stalled, state=worker.state, name=worker.name,
+                             draining=worker.draining)
         return info
 
 

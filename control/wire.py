@@ -110,6 +110,7 @@ class WorkerDescription:
     block_size: int = 0
     prefill_buckets: list[int] = field(default_factory=list)
     max_prefill_batch_size: int = 0
+    draining: bool = False
 
 
 def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> WorkerDescription:
@@ -123,7 +124,8 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         mixture_of_experts=d.mixture_of_experts, mrope=d.mrope, async_decode=d.async_decode,
         supports_images=d.supports_images, dtype=d.dtype,
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
-        prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size)
+        prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size,
+        draining=d.draining)
 
 
 def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_num_seqs: int,

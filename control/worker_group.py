@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class IncompatibleWorker(RuntimeError):
-    """A worker this configuration cannot serve (topology, model, limits); the control plane exits
-    with this message."""
+    """A worker this configuration cannot serve (topology, model, limits): it is refused alone
+    while others serve; the control plane exits with this message when it is the only one."""
 
 
 class WorkerLost(WorkerError):
@@ -39,6 +39,11 @@ class WorkerLost(WorkerError):
     def __init__(self, reason: str, requests: list[Request]) -> None:
         super().__init__(reason)
         self.requests = requests
+
+
+class WorkerDraining(WorkerLost):
+    """The worker is shutting down and said so: the requests it held go back to the engine, to
+    move to other workers without spending their --migration-limit."""
 
 
 @dataclass(slots=True)
@@ -86,12 +91,13 @@ class WorkerGroup:
     group down and returns the requests it held. Nothing here calls up into the engine."""
 
     def __init__(self, index: int, address: str, config: EngineConfig,
-                 metrics: ControlMetrics | None = None) -> None:
-        self.index = index
+                 metrics: ControlMetrics | None = None, name: str = "") -> None:
+        self.index = index            # the engine's id for it, never reused
+        self.name = name or address   # the `worker` label of its metrics
         self.address = address
         self.config = config
         self.metrics = metrics or ControlMetrics()
-        self.metrics.stalls.labels(str(index))  # exported as 0 from the start, for alert rules
+        self.metrics.stalls.labels(self.name)  # exported as 0 from the start, for alert rules
         self.lane_group: LaneGroup | None = None
         self.description: WorkerDescription | None = None
         self.not_ready_reason = f"connecting to the worker at {address}"
@@ -100,6 +106,7 @@ class WorkerGroup:
         self.connected = False        # Describe answered and the link is open
         self.warmup_progress = 0.0    # 0-1, as the worker last reported it
         self.stalled_since: float | None = None  # when the unanswered wait began, once stalled
+        self.draining = False         # it said it shuts down; cleared when it describes itself serving
         self._retired = LaneTotals()  # counts of lane groups torn down by reconnects
         self._wake = asyncio.Event()
         self._link: WorkerLink | None = None
@@ -115,10 +122,17 @@ class WorkerGroup:
         return self.stalled_since is not None
 
     @property
+    def serving(self) -> bool:
+        """New requests may be placed here."""
+        return self.ready and not self.stalled and not self.draining
+
+    @property
     def state(self) -> str:
         if self.stalled_since is not None:
             return (f"stalled: no step result for {time.monotonic() - self.stalled_since:.0f} s; its "
                     f"requests moved, and it is taken back once it answers ({self.not_ready_reason})")
+        if self.draining:
+            return f"draining: it is shutting down, its requests move to the other workers ({self.not_ready_reason})"
         return "serving" if self.ready else self.not_ready_reason
 
     def totals(self) -> LaneTotals:
@@ -166,20 +180,25 @@ class WorkerGroup:
                 for lane in lanes]
 
     # ---- the worker's life ----------------------------------------------------------------------
-    async def connect(self) -> WorkerDescription:
-        """Describe (retried until the worker answers), check the topology and warm up; returns
-        the warm worker's description. Raises IncompatibleWorker or WorkerError."""
+    async def connect(self, num_workers: int = 1) -> WorkerDescription:
+        """Describe (retried until the worker answers and is not shutting down), check the
+        topology against `num_workers` in the set and warm up; returns the warm worker's
+        description. Raises IncompatibleWorker or WorkerError."""
         self._link = link = WorkerLink(self.address, self.config.tls)
         while True:
             try:
                 described = await link.describe()
                 self.connected = True
-                break
+                if not described.draining:
+                    break
+                self.not_ready_reason = f"the worker at {self.address} is shutting down"
+                log.debug("waiting for worker %s: it is shutting down", self.name)
             except WorkerError as e:
                 self.not_ready_reason = str(e)
-                log.info("waiting for worker: %s", e)
-                await asyncio.sleep(self.config.reconnect_interval_s)
-        num_lanes = self._lanes_for(described)
+                log.info("waiting for worker %s: %s", self.name, e)
+            await asyncio.sleep(self.config.reconnect_interval_s)
+        self.draining = False
+        num_lanes = self._lanes_for(described, num_workers)
         max_model_len = max(self.config.max_model_len, 0) or described.max_position_embeddings
         if max_model_len > described.max_position_embeddings:
             raise IncompatibleWorker(
@@ -198,7 +217,7 @@ class WorkerGroup:
             self._warm = progress.description
         self._batched, self._num_lanes = batched, num_lanes
         if self.stalled_since is not None:
-            log.warning("worker %s at %s is back %.0f s after it stalled", self.index, self.address,
+            log.warning("worker %s at %s is back %.0f s after it stalled", self.name, self.address,
                         time.monotonic() - self.stalled_since)
             self.stalled_since = None
         return self._warm
@@ -231,7 +250,7 @@ class WorkerGroup:
             link, self._link = self._link, None
             await link.close()
 
-    def _lanes_for(self, d: WorkerDescription) -> int:
+    def _lanes_for(self, d: WorkerDescription, num_workers: int) -> int:
         """The topology rules, checked before the worker touches its device."""
         dp = self.config.data_parallel_size
         if d.single_execute_lanes:
@@ -243,9 +262,9 @@ class WorkerGroup:
                 f"--data-parallel-size {dp}: {d.architecture} on the worker at {d.address} runs lanes "
                 "as independent groups; start one worker per lane (each on its own submesh with "
                 "TT_VISIBLE_DEVICES) and pass each with --worker")
-        if d.mixture_of_experts and len(self.config.workers) > 1:
+        if d.mixture_of_experts and num_workers > 1:
             raise IncompatibleWorker(f"{d.architecture} is a mixture-of-experts model: data parallelism "
-                                     f"over independent groups ({len(self.config.workers)} workers) is refused")
+                                     f"over independent groups ({num_workers} workers) is refused")
         return 1
 
     def _build_group(self, warm: WorkerDescription, num_lanes: int, max_model_len: int,
@@ -267,9 +286,9 @@ class WorkerGroup:
         # The group's policy chooses every step's mode (LaneGroup.schedule), one per step for all lanes.
         lanes = [Scheduler(config, BlockPool(warm.num_blocks_per_lane, warm.block_size, caching), lane=i)
                  for i in range(num_lanes)]
-        log.info("lane group %d: worker %s [%s, %s] runs %d lane(s) x %d seqs %s; %d blocks x %d "
+        log.info("lane group %s: worker %s [%s, %s] runs %d lane(s) x %d seqs %s; %d blocks x %d "
                  "tokens per lane; max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, "
-                 "prefix caching %s, prefill lengths %s, async decode %s", self.index, warm.address, warm.backend,
+                 "prefix caching %s, prefill lengths %s, async decode %s", self.name, warm.address, warm.backend,
                  warm.device, num_lanes, c.max_num_seqs,
                  "in one process" if warm.single_execute_lanes else "(independent group)",
                  warm.num_blocks_per_lane, warm.block_size, max_model_len, batched,
@@ -281,7 +300,9 @@ class WorkerGroup:
         """Plan, send, apply, and yield each step's result. With async decode, a stable decode
         batch keeps two steps in flight: step N+1 is planned and sent before N's result arrives,
         feeding N's tokens from the device; anything else drains the pipeline (an empty flush)
-        and steps one at a time. A link that ends raises WorkerLost with the requests held."""
+        and steps one at a time. A link that ends raises WorkerLost with the requests held; a
+        worker that says it shuts down gets no new step, returns those in flight, and then
+        raises WorkerDraining with the requests held."""
         group, link = self.lane_group, self._link
         assert group is not None and link is not None
         await link.open()
@@ -291,10 +312,14 @@ class WorkerGroup:
         try:
             while True:
                 if not in_flight:
+                    if link.drain_notice.is_set():
+                        self.draining = True
+                        break
                     plan = group.schedule() if group.has_work else None
                     if plan is None or not plan.has_work:
-                        # Nothing can run: only arrivals, aborts or grammars finishing change that.
-                        await self._idle(ended)
+                        # Nothing can run: only arrivals, aborts, grammars finishing or the
+                        # worker's drain notice change that.
+                        await self._idle(ended, link.drain_notice)
                         continue
                     # A batch the host samples comes back at once: asking for a pipeline would
                     # only cost an empty flush step.
@@ -303,15 +328,17 @@ class WorkerGroup:
                     await self._send(link, plan, pipelined, in_flight)
                 newest, pipelined, _ = in_flight[-1]
                 if pipelined and len(in_flight) == 1:
-                    follow = group.followup(newest)
+                    # A draining worker gets the empty flush that returns its pipelined step.
+                    follow = group.followup(newest) if not link.drain_notice.is_set() else None
                     if follow is None:
-                        self.metrics.drains.labels(str(self.index), self._drain_reason(group)).inc()
+                        reason = "worker_draining" if link.drain_notice.is_set() else self._drain_reason(group)
+                        self.metrics.drains.labels(self.name, reason).inc()
                     await self._send(link, follow, follow is not None, in_flight)
                 outcome = await self._receive(link)
                 plan, _, sent = in_flight.popleft()
                 if plan is not None:
                     self.num_steps += 1
-                    self.metrics.step(self.index, plan.kind, outcome.traced, outcome.sampled_on_device,
+                    self.metrics.step(self.name, plan.kind, outcome.traced, outcome.sampled_on_device,
                                       outcome.total_s, time.monotonic() - sent)
                     yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs,
                                                                 outcome.refused))
@@ -319,6 +346,7 @@ class WorkerGroup:
             raise WorkerLost(str(e), self.release()) from e
         finally:
             ended.cancel()
+        raise WorkerDraining(f"worker {self.name} at {self.address} is shutting down", self.release())
 
     async def _send(self, link: WorkerLink, plan: GroupPlan | None, pipelined: bool,
                     in_flight: deque[tuple[GroupPlan | None, bool, float]]) -> None:
@@ -341,11 +369,11 @@ class WorkerGroup:
             receive.cancel()
         if not done:
             self.stalled_since = waiting_since
-            self.metrics.stalls.labels(str(self.index)).inc()
+            self.metrics.stalls.labels(self.name).inc()
             lanes = self.lane_group.lanes if self.lane_group is not None else []
             held = sum(len(lane.running) + lane.num_waiting for lane in lanes)
             log.error("worker %s at %s stalled: no step result for %.0f s with %d request(s) on it "
-                      "(see --stall-timeout)", self.index, self.address, self.config.stall_timeout_s, held)
+                      "(see --stall-timeout)", self.name, self.address, self.config.stall_timeout_s, held)
             raise WorkerError(f"worker at {self.address} stalled: no step result for "
                               f"{self.config.stall_timeout_s:g} s (--stall-timeout)")
         return receive.result()
@@ -358,11 +386,14 @@ class WorkerGroup:
             return "host_sampler"
         return "batch_changed"
 
-    async def _idle(self, ended: asyncio.Future[str]) -> None:
-        """Wait for an arrival or abort; a worker lost meanwhile raises WorkerError."""
+    async def _idle(self, ended: asyncio.Future[str], drain_notice: asyncio.Event) -> None:
+        """Wait for an arrival, an abort or the worker's drain notice; a worker lost meanwhile
+        raises WorkerError."""
         self._wake.clear()
         woken = asyncio.ensure_future(self._wake.wait())
-        await asyncio.wait({woken, ended}, return_when=asyncio.FIRST_COMPLETED)
+        noticed = asyncio.ensure_future(drain_notice.wait())
+        await asyncio.wait({woken, noticed, ended}, return_when=asyncio.FIRST_COMPLETED)
         woken.cancel()
+        noticed.cancel()
         if ended.done():
             raise WorkerError(ended.result())

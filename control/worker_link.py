@@ -1,6 +1,7 @@
 """The control plane's connection to one device worker: describe, warm up, step."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,12 @@ class WorkerLink:
         self._stub = device_pb2_grpc.DeviceStub(self._channel)
         self._stream: grpc.aio.StreamStreamCall | None = None
         self._next_step_id = 1
+        # The step stream's messages, read by one task as they come: results (or the error that
+        # ended the stream) for `receive`; the worker's drain notice, which may come while no
+        # step is in flight, sets `drain_notice`.
+        self._results: asyncio.Queue[device_pb2.StepResult | WorkerError] = asyncio.Queue()
+        self._reader: asyncio.Future | None = None
+        self.drain_notice = asyncio.Event()
 
     async def describe(self, timeout: float = 10.0) -> WorkerDescription:
         try:
@@ -76,6 +83,21 @@ class WorkerLink:
         """Open the ordered step stream; device state of requests lives as long as it does."""
         self._stream = self._stub.Step(metadata=CALL_METADATA)
         self._next_step_id = 1
+        self._results = asyncio.Queue()
+        self.drain_notice.clear()
+        self._reader = asyncio.ensure_future(self._read(self._stream))
+
+    async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
+        try:
+            while (result := await stream.read()) is not grpc.aio.EOF:
+                if result.draining:
+                    log.info("worker %s is shutting down: its requests move", self.address)
+                    self.drain_notice.set()
+                else:
+                    self._results.put_nowait(result)
+            self._results.put_nowait(WorkerError(f"worker at {self.address} closed the step stream"))
+        except grpc.aio.AioRpcError as e:
+            self._results.put_nowait(WorkerError(f"worker at {self.address} failed: {e.details()}"))
 
     async def ended(self) -> str:
         """Resolves when the step stream ends on its own (the worker died or went away); lets an
@@ -100,20 +122,18 @@ class WorkerLink:
     async def receive(self) -> StepOutcome:
         """The next step result, in the order the steps were sent."""
         assert self._stream is not None, "open() the step stream first"
-        try:
-            result = await self._stream.read()
-        except grpc.aio.AioRpcError as e:
+        result = await self._results.get()
+        if isinstance(result, WorkerError):
             self._stream = None
-            raise WorkerError(f"worker at {self.address} failed: {e.details()}") from e
-        if result is grpc.aio.EOF:
-            self._stream = None
-            raise WorkerError(f"worker at {self.address} closed the step stream")
+            raise result
         if result.error:
             self._stream = None
             raise WorkerError(f"worker at {self.address} failed step {result.step_id}: {result.error}")
         return step_result_from_pb(result)
 
     async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
         if self._stream is not None:
             self._stream.cancel()
             self._stream = None

@@ -183,7 +183,8 @@ def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
     for port, metrics in zip(worker_ports, worker_metrics):
         stack.services.append(start_worker(tmp, model, port, "--metrics-port", str(metrics),
                                            *worker_flags, env=env))
-    worker_args = [arg for port in worker_ports for arg in ("--worker", f"127.0.0.1:{port}")]
+    # Named by position: the `worker` label the tests' metric queries use.
+    worker_args = [arg for i, port in enumerate(worker_ports) for arg in ("--worker", f"{i}=127.0.0.1:{port}")]
     stack.services.append(Service("control", ["ttserve.control", "--port", str(control_port),
                                               "--metrics-port", str(control_metrics), *worker_args,
                                               *control_flags],

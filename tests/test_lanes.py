@@ -162,8 +162,8 @@ def describe(**kw) -> WorkerDescription:
 
 
 def lanes_for(d: WorkerDescription, dp: int = 1, workers: int = 1) -> int:
-    config = EngineConfig(workers=tuple(f"w:{i}" for i in range(workers)), data_parallel_size=dp)
-    return WorkerGroup(0, "w:0", config)._lanes_for(d)
+    config = EngineConfig(workers=(), data_parallel_size=dp)
+    return WorkerGroup(0, "w:0", config)._lanes_for(d, workers)
 
 
 def test_single_execute_models_run_all_lanes_in_one_group():

@@ -12,6 +12,7 @@ from ttserve.control.lanes import LaneGroup
 from ttserve.control.metrics import ControlMetrics
 from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
+from ttserve.control.worker_set import WorkerSpec
 from ttserve.control.engine_config import EngineConfig
 from ttserve.control.worker_group import LaneTotals, WorkerGroup
 from ttserve.ops_http import OpsEndpoints, start_ops_server
@@ -86,9 +87,9 @@ def test_request_timings_follow_the_tokens_as_they_arrive():
     r.record_scheduled(10.5)
     r.record_scheduled(10.7)       # only the first send counts
     r.output_token_ids = [7]
-    m.progressed(r, r.record_tokens(11.0))
+    m.progressed(r, r.record_tokens(11.0), "w0")
     r.output_token_ids += [8, 9]   # a pipelined pair arrives together
-    m.progressed(r, r.record_tokens(12.0))
+    m.progressed(r, r.record_tokens(12.0), "w0")
     assert r.record_tokens(12.5) == 0  # nothing new: nothing to count
     r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
     m.finished(r, 12.0)
@@ -99,7 +100,7 @@ def test_request_timings_follow_the_tokens_as_they_arrive():
     assert value(m, "ttserve_request_time_per_output_token_seconds_sum") == 0.5
     assert value(m, "ttserve_request_decode_time_seconds_sum") == 1.0
     assert value(m, "ttserve_e2e_request_latency_seconds_sum") == 2.0
-    assert (m.prompt_tokens[0], m.generation_tokens[0]) == (3, 3)
+    assert (m.prompt_tokens["w0"], m.generation_tokens["w0"]) == (3, 3)
     assert value(m, "ttserve_request_success_total", finished_reason="length") == 1
 
 
@@ -110,7 +111,7 @@ def test_lane_counters_survive_the_lane_group_being_rebuilt():
         scheduler.num_preemptions = preemptions
         return LaneGroup([scheduler])
 
-    g = WorkerGroup(0, "w:0", EngineConfig(workers=("w:0",)))
+    g = WorkerGroup(0, "w:0", EngineConfig(workers=(WorkerSpec("w:0", "w:0"),)))
     g.lane_group = lane_group(5, 2, 1)
     assert g.totals() == LaneTotals(20, 8, 1)          # tokens = blocks x block size
     g._retired.add(g.lane_group)                            # what a reconnect does
@@ -148,13 +149,14 @@ def test_a_fault_in_one_workers_loop_takes_only_its_link_and_its_requests_move()
     from ttserve.control.wire import WorkerDescription
 
     async def scenario() -> None:
-        engine = Engine(EngineConfig(workers=("w:0", "w:1"), reconnect_interval_s=0.01))
+        engine = Engine(EngineConfig(workers=(WorkerSpec("w0", "w:0"), WorkerSpec("w1", "w:1")),
+                                     reconnect_interval_s=0.01))
         connects = {0: 0, 1: 0}
         warm = WorkerDescription("w", "torch", "cpu", "/m", "X", 100, 64, [2], True, True,
                                  single_execute_lanes=True, num_blocks_per_lane=16, block_size=4)
 
-        for worker in engine.workers:
-            async def connect(worker=worker):
+        for worker in engine.workers.values():
+            async def connect(num_workers=1, worker=worker):
                 connects[worker.index] += 1
                 worker._warm, worker._num_lanes, worker._batched = warm, 1, 64
                 return warm
@@ -174,7 +176,7 @@ def test_a_fault_in_one_workers_loop_takes_only_its_link_and_its_requests_move()
 
         held = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
         task = asyncio.create_task(engine.run())
-        while not all(w.ready for w in engine.workers) or connects[0] < 2:
+        while not all(w.ready for w in engine.workers.values()) or connects[0] < 2:
             await asyncio.sleep(0.01)
         assert held.num_migrations == 1 and held in engine.workers[held.worker].lane_group.lanes[0].waiting
         assert not held.is_finished and not engine.fatal.done() and not task.done()

@@ -32,6 +32,15 @@ class Result:
     logprobs: list = field(default_factory=list)   # engine_pb2.TokenLogprobs per token, if asked
     outputs_per_message: list[int] = field(default_factory=list)  # this request's messages' sizes
 
+    def take(self, out: engine_pb2.RequestOutput) -> bool:
+        """Append one output of this request; True when it is the last (a finish)."""
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs
+        self.placements.add((out.worker, out.lane))
+        if out.finish_reason:
+            self.finish_reason, self.error = out.finish_reason, out.error
+        return bool(out.finish_reason)
+
 
 class ControlClient:
     def __init__(self, address: str, tls: Tls = PLAINTEXT) -> None:
@@ -88,12 +97,8 @@ class ControlClient:
                 result = results.get(out.request_id)
                 if result is None:
                     continue
-                result.token_ids += out.new_token_ids
-                result.logprobs += out.logprobs
-                result.placements.add((out.worker, out.lane))
                 result.outputs_per_message.append(len(message.outputs.outputs))
-                if out.finish_reason:
-                    result.finish_reason, result.error = out.finish_reason, out.error
+                if result.take(out):
                     unfinished.discard(out.request_id)
         return results
 

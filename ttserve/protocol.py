@@ -31,8 +31,15 @@ KEEPALIVE: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 20_000),
 KEEPALIVE_ACCEPTED: tuple[tuple[str, int], ...] = (("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
                                                    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                                                    ("grpc.keepalive_permit_without_calls", 1))
+# Servers ping their clients too: a worker whose control plane vanished (its host powered off, a
+# partition) ends that step stream within ~30 s, which frees the worker for a new control plane
+# (worker/server.py TAKEOVER_WAIT_S); a control plane drops a vanished gateway's session (and
+# aborts its requests) the same way.
+SERVER_KEEPALIVE: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 20_000),
+                                                 ("grpc.keepalive_timeout_ms", 10_000),
+                                                 ("grpc.http2.max_pings_without_data", 0))
 CHANNEL_OPTIONS = MESSAGE_LIMITS + KEEPALIVE
-SERVER_OPTIONS = MESSAGE_LIMITS + KEEPALIVE_ACCEPTED
+SERVER_OPTIONS = MESSAGE_LIMITS + KEEPALIVE_ACCEPTED + SERVER_KEEPALIVE
 
 
 def host_port(host: str, port: int) -> str:

@@ -21,6 +21,13 @@ from .wire import batch_from_pb, config_from_pb, config_to_pb, result_to_pb
 
 log = logging.getLogger(__name__)
 
+# How long a new step stream waits for the one it would replace. A control plane whose host
+# vanished leaves its stream open until server keepalive (ttserve/protocol.py: a ping every 20 s,
+# 10 s to answer) finds the connection dead and ends it; a new, authenticated control plane waits
+# out that window and takes the worker over. A stream still alive after it belongs to another
+# live control plane, which keeps the worker.
+TAKEOVER_WAIT_S = 40.0
+
 
 class DeviceService(device_pb2_grpc.DeviceServicer):
     def __init__(self, runner: ModelRunner, backend: str, device: str,
@@ -38,6 +45,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         self._stream_lock = asyncio.Lock()
         self._warmup_lock = asyncio.Lock()
         self.draining = False
+        self._drain_notice = asyncio.Event()  # set with `draining`: the step stream tells its control plane
         self._stepping = False            # a model call is executing on the device thread
         self._last_step = 0.0             # time.monotonic() the last model call ended
         # Every model call (warmup, launch, finish) runs on this one thread. OpenMP keeps a
@@ -70,11 +78,13 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         return "" if self.runner.config is not None else "not warmed up (the control plane starts warmup)"
 
     async def drain(self, timeout_s: float, idle_s: float = 1.0) -> None:
-        """Refuse new streams, then wait (up to `timeout_s`) for the control plane to stop
+        """Refuse new streams, tell the control plane on the step stream (it moves this worker's
+        requests to others and closes the stream), then wait (up to `timeout_s`) for it to stop
         stepping: its stream closed, or no step for `idle_s` (a control plane steps without
         pause while any request on this worker runs). A step already on the device always
         finishes before this returns."""
         self.draining = True
+        self._drain_notice.set()
         self.metrics.draining.set(1)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -106,7 +116,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             eos_token_ids=r.eos_token_ids, ready=r.config is not None, async_decode=r.async_decode,
             mixture_of_experts=r.is_mixture_of_experts, mrope=r.uses_mrope,
             supports_images=r.supports_images, image_token_id=r.image_token_id if r.supports_images else 0,
-            dtype=str(r.dtype).removeprefix("torch."))
+            dtype=str(r.dtype).removeprefix("torch."), draining=self.draining)
         if r.config is not None and r.layout is not None:
             d.config.CopyFrom(config_to_pb(r.config))
             d.num_blocks_per_lane = r.layout.num_blocks_per_lane
@@ -196,13 +206,22 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         await self._refuse_unless_control_plane(context, "Step")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        if self._stream_lock.locked():
+        try:
+            await asyncio.wait_for(self._stream_lock.acquire(), TAKEOVER_WAIT_S)
+        except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                "this worker already serves a step stream (one control plane per worker)")
-        async with self._stream_lock:
+                                f"this worker already serves a step stream, alive after {TAKEOVER_WAIT_S:g} s "
+                                "(one control plane per worker)")
+        try:
+            if self.draining:  # it began while this stream waited for the lock
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
             # On the device thread: behind any step an earlier, cancelled stream left running.
             await self._on_device(self.runner.reset)
-            async for pb in batches:
+            async for pb in self._batches_until_drained(batches):
+                if pb is None:
+                    log.info("telling the control plane this worker shuts down")
+                    yield device_pb2.StepResult(draining=True)
+                    continue
                 received = time.perf_counter()
                 batch = batch_from_pb(pb)
                 try:
@@ -215,6 +234,38 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 for result in results:
                     self.metrics.step(result.kind, result)
                     yield result_to_pb(result)
+        finally:
+            self._stream_lock.release()
+
+    async def _batches_until_drained(self, batches: AsyncIterator[device_pb2.StepBatch]
+                                     ) -> AsyncIterator[device_pb2.StepBatch | None]:
+        """The stream's batches, with one None where the drain began: the notice goes out as
+        soon as SIGTERM arrives, also while the control plane sends nothing."""
+        incoming = batches.__aiter__()
+        notice = asyncio.ensure_future(self._drain_notice.wait())
+        pending: asyncio.Future | None = None
+        told = False
+        try:
+            while True:
+                if notice.done() and not told:
+                    told = True
+                    yield None
+                if pending is None:
+                    pending = asyncio.ensure_future(incoming.__anext__())
+                await asyncio.wait({pending} if told else {pending, notice},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not pending.done():
+                    continue  # the notice: yielded at the top
+                try:
+                    batch = pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = None
+                yield batch
+        finally:
+            notice.cancel()
+            if pending is not None:
+                pending.cancel()
 
 
 async def serve(service: DeviceService, host: str, port: int, tls: Tls = PLAINTEXT) -> GrpcService:
