@@ -46,8 +46,9 @@ from ttserve.gateway.drain import Drain  # noqa: E402
 from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
                                     RequestRefused, record_refusal)
 from ttserve.gateway.metrics import CONNECTED, SESSIONS_LOST  # noqa: E402
-from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS as KEEPALIVE_CHANNEL, ProtocolMismatch, check_peer_version  # noqa: E402
-from ttserve.tls import PLAINTEXT, Tls, open_channel  # noqa: E402
+from ttserve.gateway.control_channel import open_control_channel  # noqa: E402
+from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version  # noqa: E402
+from ttserve.tls import PLAINTEXT, Tls  # noqa: E402
 from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("ttserve.gateway.engine_client")
@@ -55,14 +56,6 @@ log = logging.getLogger("ttserve.gateway.engine_client")
 ADMISSION_TIMEOUT_S = 30.0
 
 Verdict = engine_pb2.Admission
-
-# gRPC's own reconnect backoff defaults to a 120 s ceiling; a restarted control plane should be
-# found again within a couple of seconds.
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-) + KEEPALIVE_CHANNEL
 
 
 @dataclass
@@ -117,7 +110,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._session: _Session | None = None
         self._last_error = "not connected yet"
         self._ever_connected = False
-        self._channel = open_channel(target, tls, CHANNEL_OPTIONS)
+        self._channel = open_control_channel(target, tls)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._runner = asyncio.create_task(self._run(), name="ttserve-control-session")
 
