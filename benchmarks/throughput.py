@@ -103,7 +103,7 @@ def main() -> int:
         deadline = time.monotonic() + 600
         while True:
             try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
+                urllib.request.urlopen(f"{url}/ready", timeout=2)  # a waiting gateway answers /health too
                 break
             except OSError:
                 if up.poll() is not None or time.monotonic() > deadline:

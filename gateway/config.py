@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 
 from ttserve.logs import setup_logging
@@ -13,15 +14,19 @@ from ttserve.logs import setup_logging
 DEFAULT_CONTROL = "127.0.0.1:50051"
 
 
-def _seconds(text: str) -> int:
-    """A whole, non-negative number of seconds (vLLM's --shutdown-timeout is an int)."""
+def _seconds(text: str, kind: type[int] | type[float] = int) -> int | float:
+    """A non-negative number of seconds, whole unless `kind` is float (vLLM's --shutdown-timeout
+    is an int)."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole seconds, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {'whole ' if kind is int else ''}seconds, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
+
+
+_wait_bound = functools.partial(_seconds, kind=float)  # a wait's bound in seconds; 0: none
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,12 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening on a non-loopback address without HTTPS and an API "
                              "key (refused otherwise)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="how long to wait for the control plane to report ready "
-                             "(default %(default).0f)")
-    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="how long to try reaching the control plane at start-up "
-                             "(default %(default).0f)")
+    parser.add_argument("--ready-timeout", type=_wait_bound, default=0.0, metavar="SECONDS",
+                        help="how long to wait, from the control plane's first answer, for it to report "
+                             "ready (a worker warmed up); past it the gateway exits with status 1 for its "
+                             "supervisor to restart it. Meanwhile /health answers 200 and every other route "
+                             "503 saying why (default 0: wait without limit)")
+    parser.add_argument("--connect-timeout", type=_wait_bound, default=0.0, metavar="SECONDS",
+                        help="how long to try reaching the control plane at start-up; past it the gateway "
+                             "exits with status 1 (default 0: try without limit)")
     parser.add_argument("--shutdown-timeout", type=_seconds, default=30, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight requests may take to finish "
                              "before they are aborted; new requests get 503 meanwhile, and a "
@@ -96,9 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_security(args: argparse.Namespace) -> None:
     """Read the keys and certificates once, before anything slow: `args.api_keys` (ApiKeys) and
-    `args.tls` (ttserve.tls.Tls, for the control-plane call). Raises StartupError (exit 2)."""
+    `args.tls` (ttserve.tls.Tls, for the control-plane call). Raises ConfigRefused (exit 2)."""
     from ttserve.gateway.api_keys import ApiKeyConfigError, load_api_keys
-    from ttserve.gateway.server import StartupError
+    from ttserve.gateway.server import ConfigRefused
     from ttserve.tls import TlsConfigError, check_exposure, load_tls
 
     try:
@@ -108,11 +115,13 @@ def resolve_security(args: argparse.Namespace) -> None:
                        "the gateway's HTTP API", "HTTPS (--ssl-certfile, --ssl-keyfile) and an API key "
                        "(--api-key-file or VLLM_API_KEY)")
     except (ApiKeyConfigError, TlsConfigError) as e:
-        raise StartupError(str(e)) from None
+        raise ConfigRefused(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the gateway and serve until SIGINT/SIGTERM; returns the exit status."""
+    """Start the gateway and serve until SIGINT/SIGTERM; returns the exit status: 0 after a
+    signal, 2 for refused flags or files (argparse's status too), 1 for anything a restart or
+    the control plane could fix (gateway/server.py)."""
     setup_logging()  # a no-op under `ttserve gateway`, which has set it up already
     from ttserve.gateway.server import StartupError, serve
 
@@ -126,6 +135,6 @@ def run(args: argparse.Namespace) -> int:
         return run_loop(serve(args))
     except StartupError as e:
         print(f"ttserve gateway: error: {e}", file=sys.stderr)
-        return 2
+        return e.status
     except KeyboardInterrupt:
         return 0

@@ -84,6 +84,11 @@ class ReadinessProbe:
         return None
 
 
+def service_unavailable(message: str) -> dict[str, Any]:
+    """A 503's body, in the shape of vLLM's (and OpenAI's) error bodies."""
+    return {"error": {"message": message, "type": "Service Unavailable", "param": None, "code": 503}}
+
+
 def install(app: Any, probe: ReadinessProbe) -> None:
     """Add GET /ready to `app` (the FastAPI app from vLLM's build_app)."""
     from starlette.requests import Request
@@ -94,8 +99,6 @@ def install(app: Any, probe: ReadinessProbe) -> None:
         reason = await probe.not_ready_reason()
         if reason is None:
             return JSONResponse({"status": "ready"})
-        # The shape of vLLM's (and OpenAI's) error bodies.
-        return JSONResponse({"error": {"message": f"not ready: {reason}", "type": "Service Unavailable",
-                                       "param": None, "code": 503}}, status_code=503)
+        return JSONResponse(service_unavailable(f"not ready: {reason}"), status_code=503)
 
     app.router.routes.insert(0, Route("/ready", ready, methods=["GET"], name="ttserve_ready"))

@@ -1,9 +1,16 @@
 """Gateway start-up: find the control plane, build vLLM's config without a device, and serve
 vLLM's own OpenAI app (build_app + init_app_state + serve_http) on a GatewayLLM.
 
-Order matters for start-up time and for clear failures: the control plane is contacted (and its
-protocol version checked) before vLLM is imported, so an unreachable or mismatched control plane
-fails within seconds with one line.
+Order matters for start-up time and for clear failures: the HTTP port is bound first (a busy
+port fails at once), then the control plane is contacted (and its protocol version checked)
+while vLLM's import runs on a thread. A control plane that is unreachable or not ready is waited
+for, as long as --connect-timeout / --ready-timeout allow (0, the default: without limit), while
+gateway/waiting.py answers on the port (/health 200, everything else 503 saying why).
+
+Exit statuses (StartupError.status): 2 (ConfigRefused) only when the gateway's own flags or
+files are refused, which no restart can fix; 1 for anything a restart or a peer could fix (a
+control plane unreachable, not ready, of another protocol version; a busy port); 0 after a
+SIGTERM/SIGINT, also one that arrives while waiting.
 """
 from __future__ import annotations
 
@@ -12,75 +19,99 @@ import json
 import asyncio
 import logging
 import shlex
+import signal
 import socket
+import ssl
 import threading
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Awaitable, Callable, NoReturn
 
 import grpc
 
+from ttserve.gateway.control_channel import open_control_channel
 from ttserve.gateway.readiness import describe_workers
-from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS, ProtocolMismatch, check_peer_version, host_port
-from ttserve.tls import PLAINTEXT, Tls, handshake_hint, open_channel
+from ttserve.gateway.waiting import BACKLOG, WaitingResponder, http_ssl_context
+from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version, host_port
+from ttserve.tls import PLAINTEXT, Tls, handshake_hint
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ttserve.gateway")
 
+CONFIG_REFUSED = 2  # systemd's RestartPreventExitStatus=2 and `ttserve up` stop on it
+
 
 class StartupError(RuntimeError):
-    """The gateway cannot start; the message is the one line the user sees."""
+    """The gateway cannot start; the message is the one line the user sees. Exit status 1: a
+    restart, or a peer, may fix it (the supervisor restarts the gateway)."""
+    status = 1
+
+
+class ConfigRefused(StartupError):
+    """The gateway's own flags or files are refused: only other ones can fix it."""
+    status = CONFIG_REFUSED
 
 
 # ---- the control plane ---------------------------------------------------------------------
-async def contact_control_plane(stub: engine_pb2_grpc.EngineStub, target: str,
-                                timeout: float, tls: Tls = PLAINTEXT) -> engine_pb2.ServerInfo:
-    """First contact: the control plane's ServerInfo, retried while it is unreachable."""
-    deadline = time.monotonic() + timeout
+LOG_EVERY_S = 10.0
+POLL_S = 0.5
+
+
+async def wait_for_control_plane(stub: engine_pb2_grpc.EngineStub, target: str, tls: Tls,
+                                 connect_timeout: float, ready_timeout: float,
+                                 show: Callable[[str], Awaitable[None]]) -> engine_pb2.ServerInfo:
+    """The control plane's ServerInfo once it reports ready. Until then `show` gets why not
+    (first when the first answer is not "ready"), and a line is logged every LOG_EVERY_S.
+
+    `connect_timeout` bounds the time until the first answer, `ready_timeout` the time from it
+    to ready (a control plane lost meanwhile is waited for within the same bound); 0: no bound.
+    Past either: StartupError (exit 1, for the supervisor to restart the gateway)."""
+    start = time.monotonic()
+    contacted: float | None = None  # when the control plane first answered
+    last_log = start - LOG_EVERY_S  # the first wait is logged at once
     while True:
+        bound, since = (connect_timeout, start) if contacted is None else (ready_timeout, contacted)
+        remaining = bound - (time.monotonic() - since) if bound > 0 else 5.0
         try:
             info = await stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
-                                            timeout=max(0.5, min(5.0, deadline - time.monotonic())))
-            break
+                                            timeout=max(0.5, min(5.0, remaining)))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the protocol interceptor
-                raise StartupError(e.details()) from None
-            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                    or time.monotonic() >= deadline:
-                raise StartupError(f"control plane at {target} is unreachable: "
-                                   f"{e.code().name}: {e.details()}{handshake_hint(e.details(), tls)}") from None
-            await asyncio.sleep(0.25)
-    try:
-        check_peer_version(info.protocol_version, f"the control plane at {target}")
-    except ProtocolMismatch as e:
-        raise StartupError(str(e)) from None
-    return info
-
-
-async def wait_until_ready(stub: engine_pb2_grpc.EngineStub, target: str, info: engine_pb2.ServerInfo,
-                           timeout: float, log_every_s: float = 10.0) -> engine_pb2.ServerInfo:
-    start = time.monotonic()
-    last_log = start - log_every_s
-    state = describe_workers(info)
-    while not info.ready:
+                raise StartupError(f"control plane at {target} refused this gateway: {e.details()}") from None
+            # Any other refusal is waited out too: the peer at that address may change.
+            unreachable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            why = (f"{'unreachable' if unreachable else 'refusing GetServerInfo'} "
+                   f"({e.code().name}: {e.details()}{handshake_hint(e.details(), tls)})")
+        else:
+            # Another protocol version is a peer problem (1), but not one waiting can end: only
+            # deploying one release on both sides does. Exiting makes it a visible restart loop
+            # (systemctl status, CrashLoopBackOff) that picks up the fixed peer by itself,
+            # where a gateway waiting on would look merely slow.
+            try:
+                check_peer_version(info.protocol_version, f"the control plane at {target}")
+            except ProtocolMismatch as e:
+                raise StartupError(str(e)) from None
+            if contacted is None:
+                contacted = time.monotonic()
+                log.info("control plane at %s: ttserve %s, protocol %d, %s", target, info.version,
+                         info.protocol_version, describe_workers(info))
+            if info.ready:
+                if time.monotonic() - start > 1:
+                    log.info("control plane at %s is ready after %.0f s", target, time.monotonic() - start)
+                return info
+            why = f"no ready worker ({describe_workers(info)})"
         now = time.monotonic()
-        if now - start >= timeout:
-            raise StartupError(f"control plane at {target} did not become ready within "
-                               f"{timeout:.0f} s ({state}); see --ready-timeout")
-        if now - last_log >= log_every_s:
-            log.info("waiting for the control plane at %s to be ready (%.0f s): %s",
-                     target, now - start, state)
+        if contacted is None and connect_timeout > 0 and now - start >= connect_timeout:
+            raise StartupError(f"control plane at {target} is {why} after {connect_timeout:g} s; "
+                               "see --connect-timeout")
+        if contacted is not None and ready_timeout > 0 and now - contacted >= ready_timeout:
+            raise StartupError(f"control plane at {target} did not become ready within {ready_timeout:g} s: "
+                               f"{why}; see --ready-timeout")
+        await show(f"waiting for the control plane at {target}: {why}")
+        if now - last_log >= LOG_EVERY_S:
+            log.info("waiting for the control plane at %s (%.0f s): %s", target, now - start, why)
             last_log = now
-        await asyncio.sleep(0.5)
-        try:
-            info = await stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
-                                            timeout=5)
-            state = describe_workers(info)
-        except grpc.aio.AioRpcError as e:
-            state = f"unreachable: {e.code().name}: {e.details()}"
-    if time.monotonic() - start > 1:
-        log.info("control plane at %s is ready after %.0f s", target, time.monotonic() - start)
-    return info
+        await asyncio.sleep(POLL_S)
 
 
 async def fetch_model_info(stub: engine_pb2_grpc.EngineStub, target: str) -> engine_pb2.ModelInfo:
@@ -92,16 +123,19 @@ async def fetch_model_info(stub: engine_pb2_grpc.EngineStub, target: str) -> eng
 
 
 def resolve_model_folder(args: argparse.Namespace, model_info: engine_pb2.ModelInfo) -> str:
-    """The folder whose config and tokenizer the gateway loads (no weights are read)."""
+    """The folder whose config and tokenizer the gateway loads (no weights are read).
+
+    Without --model, a reported folder this host lacks is the gateway's configuration to fix
+    (it needs --model), not its peer's: refused (2)."""
     if args.model:
         return args.model
     path = model_info.model_path
     if not path:
-        raise StartupError("the control plane reports no model_path; pass --model with the "
-                           "model's folder (config.json and tokenizer files)")
+        raise ConfigRefused("the control plane reports no model_path; pass --model with the "
+                            "model's folder (config.json and tokenizer files)")
     if not Path(path).is_dir():
-        raise StartupError(f"the control plane serves {path}, which is not a folder on this host; "
-                           "pass --model with a local copy of its config.json and tokenizer files")
+        raise ConfigRefused(f"the control plane serves {path}, which is not a folder on this host; "
+                            "pass --model with a local copy of its config.json and tokenizer files")
     return path
 
 
@@ -189,7 +223,7 @@ def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     def refuse(message: str) -> NoReturn:  # instead of argparse's usage text and exit
-        raise StartupError(f"vLLM rejected its arguments ({message}): {shlex.join(argv)}")
+        raise ConfigRefused(f"vLLM rejected its arguments ({message}): {shlex.join(argv)}")
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="ttserve gateway (vLLM frontend)"))
     parser.error = refuse  # type: ignore[method-assign]
@@ -197,14 +231,14 @@ def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
     try:
         validate_parsed_serve_args(vllm_args)
     except (TypeError, ValueError) as e:
-        raise StartupError(f"vLLM rejected its arguments: {e}") from None
+        raise ConfigRefused(f"vLLM rejected its arguments: {e}") from None
     # Options whose work happens in the engine, which ttserve's control plane and devices do
     # not do: refused rather than silently ignored.
     if getattr(vllm_args, "speculative_config", None):
-        raise StartupError("speculative decoding (--speculative-config) is not supported on this "
-                           "backend: ttserve's devices run one token per decode step")
+        raise ConfigRefused("speculative decoding (--speculative-config) is not supported on this "
+                            "backend: ttserve's devices run one token per decode step")
     if getattr(vllm_args, "enable_lora", False):
-        raise StartupError("LoRA (--enable-lora) is not supported on this backend")
+        raise ConfigRefused("LoRA (--enable-lora) is not supported on this backend")
     if (getattr(vllm_args, "max_logprobs", 0) or 0) > MAX_LOGPROBS:
         # Tenstorrent devices compute at most the top 32; the API's ceiling is 20.
         log.warning("--max-logprobs %d clamped to %d", vllm_args.max_logprobs, MAX_LOGPROBS)
@@ -217,6 +251,7 @@ MAX_LOGPROBS = 20
 
 def build_vllm_config(vllm_args: argparse.Namespace, model_info: engine_pb2.ModelInfo):
     """vLLM's config for the frontend alone, with the limits the control plane reported.
+    Refused (2) when vLLM cannot build it: the model folder, or the flags, are the gateway's.
 
     vLLM's engine handshake (MPClient._apply_ready_response) would copy max_model_len, block
     size and the number of KV blocks from the engine into the frontend's config; the control
@@ -228,8 +263,8 @@ def build_vllm_config(vllm_args: argparse.Namespace, model_info: engine_pb2.Mode
         config = AsyncEngineArgs.from_cli_args(vllm_args).create_engine_config()
     except Exception as e:
         detail = " ".join(str(e).split())
-        raise StartupError(f"cannot build vLLM's config for {vllm_args.model}: "
-                           f"{type(e).__name__}: {detail[:400]}") from None
+        raise ConfigRefused(f"cannot build vLLM's config for {vllm_args.model}: "
+                            f"{type(e).__name__}: {detail[:400]}") from None
     cache = config.cache_config
     cache.block_size = model_info.block_size or cache.block_size
     cache.num_gpu_blocks = model_info.num_blocks or None
@@ -239,13 +274,18 @@ def build_vllm_config(vllm_args: argparse.Namespace, model_info: engine_pb2.Mode
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound first so that a busy port fails before anything slow runs
-    (as vLLM's create_server_socket; uvicorn listens on it later)."""
+    """The HTTP socket, bound first so that a busy port fails before anything slow runs (as
+    vLLM's create_server_socket), and listening from then on: a client connecting before
+    anything answers waits in its queue instead of being refused (see gateway/waiting.py).
+
+    Exit status 1, not 2, when it cannot: a port held by a process that is exiting, or an address
+    not yet up at boot, is there after a restart (the control plane and worker likewise)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family=family, type=socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(BACKLOG)
     except OSError as e:
         sock.close()
         raise StartupError(f"cannot listen on {host_port(host, port)}: {e.strerror or e}") from None
@@ -267,22 +307,20 @@ def check_vllm_server_args(vllm_args: argparse.Namespace) -> None:
         ReasoningParserManager.import_reasoning_parser(vllm_args.reasoning_parser_plugin)
     try:
         validate_api_server_args(vllm_args)
-    except KeyError as e:
-        raise StartupError(str(e.args[0]) if e.args else str(e)) from None
+    except KeyError as e:  # an unknown tool or reasoning parser name
+        raise ConfigRefused(str(e.args[0]) if e.args else str(e)) from None
     set_ulimit()
 
 
-async def discover(args: argparse.Namespace) -> tuple[str, engine_pb2.ModelInfo]:
+async def discover(args: argparse.Namespace,
+                   show: Callable[[str], Awaitable[None]]) -> tuple[str, engine_pb2.ModelInfo]:
     """Contact the control plane, wait until it is ready; the model folder and its limits."""
     target = args.control
     tls = getattr(args, "tls", PLAINTEXT)
-    channel = open_channel(target, tls, CHANNEL_OPTIONS)
+    channel = open_control_channel(target, tls)
     try:
         stub = engine_pb2_grpc.EngineStub(channel)
-        info = await contact_control_plane(stub, target, args.connect_timeout, tls)
-        log.info("control plane at %s: ttserve %s, protocol %d, %s", target, info.version,
-                 info.protocol_version, describe_workers(info))
-        await wait_until_ready(stub, target, info, args.ready_timeout)
+        await wait_for_control_plane(stub, target, tls, args.connect_timeout, args.ready_timeout, show)
         model_info = await fetch_model_info(stub, target)
     finally:
         await channel.close()
@@ -293,14 +331,30 @@ async def discover(args: argparse.Namespace) -> tuple[str, engine_pb2.ModelInfo]
     return model, model_info
 
 
+def stop_on_signal() -> None:
+    """Until serve_http installs its own handlers: SIGTERM or SIGINT cancels start-up, which
+    then exits 0 (a supervisor stopping a waiting gateway is no failure)."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the gateway until SIGINT/SIGTERM; raises StartupError if it cannot start."""
     started = time.monotonic()
+    try:
+        context = http_ssl_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.vllm_args)
+    except (OSError, ssl.SSLError) as e:  # resolve_security read them a moment ago
+        raise ConfigRefused(f"--ssl-certfile {args.ssl_certfile}: {e}") from None
     sock = bind_http_socket(args.host, args.port)
+    stop_on_signal()
+    waiting = WaitingResponder(sock, args.api_keys, public_metrics=args.public_metrics, ssl_context=context)
     preload = threading.Thread(target=preload_vllm, name="ttserve-preload-vllm", daemon=True)
     preload.start()
     try:
-        model, model_info = await discover(args)
+        model, model_info = await discover(args, waiting.show)
+        waiting.message = f"starting vLLM's frontend for {model} (the control plane at {args.control} is ready)"
         # No vLLM import may run on this thread before the preload ends (import lock order).
         await asyncio.to_thread(preload.join)
         from ttserve.gateway import generation_errors, responses_input, vision_compat, vllm_compat
@@ -313,13 +367,18 @@ async def serve(args: argparse.Namespace) -> int:
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
         vllm_config = build_vllm_config(vllm_args, model_info)
         check_vllm_server_args(vllm_args)
-        await serve_vllm_app(args, vllm_args, vllm_config, sock, started)
+        await serve_vllm_app(args, vllm_args, vllm_config, sock, started, waiting.close)
+    except asyncio.CancelledError:
+        log.info("stopped before serving (SIGTERM/SIGINT)")
     finally:
+        await waiting.close()
         sock.close()
     return 0
 
 
 RESPONSES_FLUSH_S = 5
+# The control plane was ready a moment ago: its session is a matter of seconds.
+SESSION_TIMEOUT_S = 10.0
 
 # Routes of vLLM's app that no request can succeed on behind the control plane (each answered
 # every request with an error, found by the OpenAPI fuzzer, tests/test_e2e_gateway_fuzz.py):
@@ -360,8 +419,11 @@ def install_middleware(app, api_keys=None, public_metrics: bool = False) -> None
 
 
 async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace, vllm_config,
-                         sock: socket.socket, started: float) -> None:
-    """vLLM's OpenAI app on a GatewayLLM, served by vLLM's serve_http, until shutdown."""
+                         sock: socket.socket, started: float,
+                         before_serving: Callable[[], Awaitable[None]]) -> None:
+    """vLLM's OpenAI app on a GatewayLLM, served by vLLM's serve_http, until shutdown;
+    `before_serving` runs last before serve_http accepts on `sock` (the waiting responder's
+    handover)."""
     from vllm import envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -379,7 +441,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         core_client = GrpcEngineCoreClient(target, tls=args.tls)
         llm = GatewayLLM(vllm_config, core_client, log_stats=not vllm_args.disable_log_stats,
                          log_requests=vllm_args.enable_log_requests)
-        if not await core_client.wait_connected(timeout=args.connect_timeout):
+        if not await core_client.wait_connected(timeout=SESSION_TIMEOUT_S):
             log.warning("%s; serving anyway, requests get 503 until it is back",
                         core_client.unreachable_message)
         supported_tasks = await llm.get_supported_tasks()
@@ -405,6 +467,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
                  host_port(args.host, args.port), target, "TLS" if args.tls.calls_tls else "plaintext",
                  f"key required ({len(args.api_keys)} key(s))" if args.api_keys else "open (no API key)",
                  vllm_version, time.monotonic() - started)
+        await before_serving()
         shutdown_task = await serve_http(
             app, sock=sock, enable_ssl_refresh=vllm_args.enable_ssl_refresh,
             host=vllm_args.host, port=vllm_args.port, log_level=vllm_args.uvicorn_log_level,

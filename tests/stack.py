@@ -207,7 +207,8 @@ def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
 @contextlib.contextmanager
 def ttserve_up(tmp: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, list[int]]]:
     """`ttserve up` on free ports (HTTP, control, worker, control metrics, worker metrics), once its
-    gateway answers /health; killed on the way out if the test has not stopped it."""
+    gateway is ready (/ready: a gateway still waiting for its control plane answers /health too);
+    killed on the way out if the test has not stopped it."""
     ports = [free_port() for _ in range(5)]
     log = open(tmp / "up.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "ttserve.cli", "up", "--port", str(ports[0]),
@@ -215,7 +216,7 @@ def ttserve_up(tmp: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, list[
                              "--control-metrics-port", str(ports[3]), "--worker-metrics-port", str(ports[4]),
                              *flags], stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{ports[0]}/health"), 300, "ttserve up")
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{ports[0]}/ready"), 300, "ttserve up")
         yield proc, ports
     finally:
         if proc.poll() is None:

@@ -72,7 +72,7 @@ def finish(chunks, timeout: float = 60) -> tuple[list[str], int]:
 def test_ctrl_c_drains_the_streams_in_flight_and_a_second_one_aborts_the_rest(tmp_path, smollm2):
     proc, url, log_path = start_up(tmp_path, smollm2)
     try:
-        wait_until(lambda: http_ok(f"{url}/health"), 300, "ttserve up")
+        wait_until(lambda: http_ok(f"{url}/ready"), 300, "ttserve up")
         short = start_stream(url, smollm2.name, SHORT_TOKENS)
         long = start_stream(url, smollm2.name, LONG_TOKENS)
         os.killpg(proc.pid, signal.SIGINT)
@@ -92,7 +92,7 @@ def test_up_restarts_a_killed_worker_and_the_stream_in_flight_completes(tmp_path
     restarts it, the control plane moves the request onto it, and the HTTP client sees a pause."""
     proc, url, log_path = start_up(tmp_path, smollm2)
     try:
-        wait_until(lambda: http_ok(f"{url}/health"), 300, "ttserve up")
+        wait_until(lambda: http_ok(f"{url}/ready"), 300, "ttserve up")
         stream = start_stream(url, smollm2.name, SHORT_TOKENS)
         worker = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "ttserve.worker"], capture_output=True,
                                 text=True).stdout.split()
