@@ -79,9 +79,10 @@ def read_key_file(path: str) -> list[str]:
     return keys
 
 
-def load_api_keys(flag_keys: Sequence[str] | None, key_file: str | None,
-                  environ: Mapping[str, str] = os.environ) -> ApiKeys:
-    """The gateway's keys; empty ApiKeys: the API is open (loopback, or --insecure)."""
+def configured_keys(flag_keys: Sequence[str] | None, key_file: str | None,
+                    environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The keys the flags and the environment give, in the open (for a client of the gateway's
+    own, like `ttserve up`'s probe); empty: the API is open."""
     keys = list(flag_keys or [])
     if any(not k.strip() for k in keys):
         raise ApiKeyConfigError("--api-key: an empty key would accept an empty Authorization header")
@@ -89,7 +90,13 @@ def load_api_keys(flag_keys: Sequence[str] | None, key_file: str | None,
         keys += read_key_file(key_file)
     if not keys and environ.get(ENV_VAR, "").strip():
         keys = [environ[ENV_VAR].strip()]
-    return ApiKeys(keys)
+    return keys
+
+
+def load_api_keys(flag_keys: Sequence[str] | None, key_file: str | None,
+                  environ: Mapping[str, str] = os.environ) -> ApiKeys:
+    """The gateway's keys; empty ApiKeys: the API is open (loopback, or --insecure)."""
+    return ApiKeys(configured_keys(flag_keys, key_file, environ))
 
 
 def _bearer(scope: Scope) -> str | None:

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from ttserve.up import split_flags
+from ttserve.up import READY_MARGIN_S, split_flags
+
+
+def _flag(share: list[str], flag: str) -> str:
+    """The value of `flag`'s last occurrence in a service's share."""
+    return share[len(share) - 1 - share[::-1].index(flag) + 1]
 
 
 def test_flags_go_to_their_services_and_ports_are_wired():
@@ -14,7 +19,7 @@ def test_flags_go_to_their_services_and_ports_are_wired():
     assert shares["worker"][:2] == ["--backend", "sim"] and "--model" in shares["worker"]
     assert "--additional-config.tt.trace_mode" in shares["worker"]
     assert "--api-key" in shares["gateway"] and "--model" not in shares["gateway"]
-    assert shares["gateway"][-2:] == ["--control", "127.0.0.1:50051"]
+    assert _flag(shares["gateway"], "--control") == "127.0.0.1:50051"
 
 
 def test_host_goes_to_every_service():
@@ -42,7 +47,7 @@ def test_each_service_gets_its_own_metrics_port_and_every_service_the_shutdown_t
 def test_an_ipv6_host_is_bracketed_where_services_reach_each_other():
     args, shares = split_flags(["--host", "::1", "--port", "9000"])
     assert shares["control"][shares["control"].index("--worker") + 1] == "[::1]:50061"
-    assert shares["gateway"][-2:] == ["--control", "[::1]:50051"]
+    assert _flag(shares["gateway"], "--control") == "[::1]:50051"
     assert args.url == "http://[::1]:9000"
 
 
@@ -62,3 +67,27 @@ def test_check_reports_what_the_services_would_refuse(capsys, tmp_path):
     problems = _security_problems(_parse("worker", shares["worker"]), _parse("gateway", shares["gateway"]))
     assert [fatal for fatal, _ in problems] == [True, True]
     assert "worker: refusing to serve" in problems[0][1] and "--api-key-file" in problems[1][1]
+
+
+@pytest.mark.parametrize("flags, warmup", [([], 1800.0), (["--warmup-timeout", "5000"], 5000.0)])
+def test_up_waits_longer_than_the_warmup_the_control_plane_is_given_and_so_does_its_gateway(flags, warmup):
+    args, shares = split_flags(flags)
+    assert args.ready_timeout == warmup + READY_MARGIN_S >= warmup
+    assert float(_flag(shares["gateway"], "--ready-timeout")) == args.ready_timeout
+    assert "--ready-timeout" not in shares["control"] and "--ready-timeout" not in shares["worker"]
+
+
+def test_a_ready_timeout_given_to_up_is_its_own_and_its_gateways(caplog):
+    args, shares = split_flags(["--ready-timeout", "60"])
+    assert args.ready_timeout == 60 and _flag(shares["gateway"], "--ready-timeout") == "60"
+    assert "below the control plane's --warmup-timeout 1800" in caplog.text
+    args, shares = split_flags(["--ready-timeout", "0"])  # no limit, for both
+    assert args.ready_timeout == 0 and _flag(shares["gateway"], "--ready-timeout") == "0"
+
+
+def test_up_probes_its_gateways_ready_with_a_key_the_gateway_accepts(tmp_path):
+    assert split_flags(["--api-key", "k1", "k2"])[0].probe_key == "k1"
+    (tmp_path / "keys").write_text("# keys\nfile-key\n")
+    assert split_flags(["--api-key-file", str(tmp_path / "keys")])[0].probe_key == "file-key"
+    # A key file the gateway refuses (exit 2, which stops up) leaves up without one, not failed.
+    assert split_flags(["--api-key-file", str(tmp_path / "missing")])[0].probe_key is None

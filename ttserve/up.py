@@ -11,18 +11,27 @@ second signal cuts short the drain of the service being stopped.
 A service that exits on its own is restarted, as systemd's Restart=on-failure would (a worker's
 requests wait and resume, see the control plane's --migration-limit), after 1, 2, 4, ... up to 30
 seconds, the wait reset once it has run for a minute. One that exits with status 2 refused its
-configuration, which a restart cannot fix: up stops the stack with that status.
+configuration, which a restart cannot fix: up stops the stack with that status. No service exits
+2 for waiting on another: a gateway waiting for a warming worker answers /health (200) and
+/ready (503) meanwhile, and up takes the stack as serving only once /ready says 200.
+
+`--ready-timeout` bounds how long up waits for that (then it stops the stack and exits 1); its
+default is the control plane's --warmup-timeout as given plus READY_MARGIN_S, so up never gives
+up on a warmup the control plane still waits for. The gateway gets the same --ready-timeout.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
+import os
 import signal
 import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from ttserve.protocol import host_port
@@ -34,6 +43,9 @@ SERVICES = ("worker", "control", "gateway")
 CONFIG_REFUSED = 2                     # every service's exit status for flags it refuses
 RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30)
 STABLE_S = 60.0                        # a service up this long starts its backoff over
+# Beyond the control plane's --warmup-timeout, up's default --ready-timeout: the worker's own start
+# before its warmup (imports, opening a mesh) and the gateway's (vLLM's frontend).
+READY_MARGIN_S = 300.0
 
 
 def _service_parser(name: str) -> argparse.ArgumentParser:
@@ -69,8 +81,10 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
                      help="HTTP port of the control plane's /metrics, /health, /ready (0: none)")
     own.add_argument("--worker-metrics-port", type=int, default=9402,
                      help="HTTP port of the worker's /metrics, /health, /ready (0: none)")
-    own.add_argument("--ready-timeout", type=float, default=900.0,
-                     help="seconds to wait for the stack to serve")
+    own.add_argument("--ready-timeout", type=float, default=None, metavar="SECONDS",
+                     help="seconds to wait for the stack to serve (its /ready), then stop it and exit "
+                          "1; also the gateway's --ready-timeout; 0: no limit (default: the control "
+                          f"plane's --warmup-timeout + {READY_MARGIN_S:.0f})")
     args, rest = own.parse_known_args(argv)
     if any(t == "--metrics-port" or t.startswith("--metrics-port=") for t in rest):
         own.error("--metrics-port is ambiguous here: use --control-metrics-port and --worker-metrics-port")
@@ -89,16 +103,43 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
                                   "--metrics-port", str(args.worker_metrics_port)]
     shares["control"] += ["--port", str(args.control_port), "--worker", host_port(host, args.worker_port),
                           "--metrics-port", str(args.control_metrics_port)]
-    shares["gateway"] += ["--port", str(args.port), "--control", host_port(host, args.control_port)]
+    args.ready_timeout = _ready_timeout(args.ready_timeout, shares["control"])
+    shares["gateway"] += ["--port", str(args.port), "--control", host_port(host, args.control_port),
+                          "--ready-timeout", f"{args.ready_timeout:g}"]
     gateway = _service_parser("gateway").parse_known_args(shares["gateway"])[0]
     scheme = "https" if gateway.ssl_certfile else "http"
     args.url = f"{scheme}://{host_port(host, args.port)}"  # the gateway, as up checks it
     args.probe_tls = _probe_context(gateway) if gateway.ssl_certfile else None
+    args.probe_key = _probe_key(gateway)
     return args, shares
 
 
+def _ready_timeout(given: float | None, control: list[str]) -> float:
+    """up's --ready-timeout: as given, else long enough for the slowest warmup the control plane
+    waits for (its --warmup-timeout as passed)."""
+    warmup = _service_parser("control").parse_known_args(control)[0].warmup_timeout
+    if given is None:
+        return warmup + READY_MARGIN_S
+    if 0 < given < warmup:
+        log.warning("--ready-timeout %g is below the control plane's --warmup-timeout %g: a warmup that "
+                    "takes longer stops the stack", given, warmup)
+    return given
+
+
+def _probe_key(gateway: argparse.Namespace) -> str | None:
+    """A key the gateway accepts, for up's own /ready probe; None: its API is open, or its key
+    flags are refused (the gateway exits 2 on them, which stops up)."""
+    from ttserve.gateway.api_keys import ApiKeyConfigError, configured_keys
+
+    try:
+        keys = configured_keys(gateway.api_key, gateway.api_key_file, os.environ)
+    except ApiKeyConfigError:
+        return None
+    return keys[0] if keys else None
+
+
 def _probe_context(gateway: argparse.Namespace) -> ssl.SSLContext:
-    """How up reaches its own gateway's /health over HTTPS: verified against --ssl-ca-certs when
+    """How up reaches its own gateway's /ready over HTTPS: verified against --ssl-ca-certs when
     given (else unverified: up only asks its child whether it is up), presenting the certificate
     in case the gateway asks for client certificates."""
     context = ssl.create_default_context()
@@ -169,7 +210,7 @@ def up(argv: list[str]) -> int:
     try:
         for name in SERVICES:
             procs[name], started_at[name] = start(name), time.monotonic()
-        deadline, announced = time.monotonic() + args.ready_timeout, False
+        deadline, announced = time.monotonic() + (args.ready_timeout or float("inf")), False
         while not stop_requested:
             now = time.monotonic()
             for name, proc in procs.items():
@@ -192,11 +233,12 @@ def up(argv: list[str]) -> int:
                 restart_at[name] = now + delay
                 log.error("%s exited with code %d; restarting it in %d s", name, code, delay)
             if not announced:
-                if _serving(args.url, args.probe_tls):
+                why_not = _not_serving(args.url, args.probe_tls, args.probe_key)
+                if why_not is None:
                     log.info("ttserve is serving at %s/v1 (Ctrl-C stops it)", args.url)
                     announced = True
                 elif time.monotonic() > deadline:
-                    log.error("the stack did not serve within %.0f s", args.ready_timeout)
+                    log.error("the stack did not serve within %g s (--ready-timeout): %s", args.ready_timeout, why_not)
                     return 1
             time.sleep(0.5)
         return 0
@@ -213,9 +255,17 @@ def up(argv: list[str]) -> int:
                     proc.kill()
 
 
-def _serving(url: str, context: ssl.SSLContext | None = None) -> bool:
+def _not_serving(url: str, context: ssl.SSLContext | None = None, key: str | None = None) -> str | None:
+    """None when the gateway serves, else why not. Asks /ready: a gateway still waiting for the
+    control plane answers /health too."""
+    request = urllib.request.Request(f"{url}/ready", headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2, context=context) as response:
-            return response.status == 200
-    except OSError:
-        return False
+        with urllib.request.urlopen(request, timeout=2, context=context) as response:
+            return None if response.status == 200 else f"/ready answered {response.status}"
+    except urllib.error.HTTPError as e:
+        try:
+            return json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError, OSError):
+            return f"/ready answered {e.code}"
+    except OSError as e:
+        return f"the gateway at {url} does not answer ({e})"
