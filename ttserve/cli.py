@@ -16,6 +16,10 @@ commands:
   control   the control plane (scheduler, KV blocks, admission)
   worker    a device worker
   model     prepare an embedded model: ttserve model prepare smollm2
+
+exit status of gateway, control, worker and up: 0 stopped by SIGTERM/SIGINT; 2 flags or files
+refused (a restart cannot help); 1 anything else a restart or a peer may fix (a peer still
+unreachable or not ready past a --*-timeout, a busy port, a crash)
 """
 
 

@@ -33,6 +33,9 @@ class ConfigRefused(RuntimeError):
     """The worker cannot start as configured; one line says why."""
 
 
+CONFIG_REFUSED = 2  # the exit status of a ConfigRefused
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("device worker")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -146,6 +149,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; the exit status: 0 after the signal's drain, 2 when the flags
+    or files are refused (argparse's status too: a restart cannot help, systemd's
+    RestartPreventExitStatus=2), 1 for anything a restart may fix (its port taken, a crash)."""
     # Before torch loads libgomp: an OpenMP thread that finishes a parallel region spins for
     # GOMP_SPINCOUNT iterations before it sleeps. A decode step is ~360 small parallel regions
     # (5 GEMMs, attention, norms, RoPE per layer), one right after another, and waking a
@@ -163,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         service = build_service(args, args.control_identity)
     except ConfigRefused as e:
         log.error("%s", e)
-        return 2  # a configuration refused: restarting cannot help (systemd's RestartPreventExitStatus)
+        return CONFIG_REFUSED
     return asyncio.run(_serve(service, args, tls))
 
 
