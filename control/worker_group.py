@@ -216,6 +216,10 @@ class WorkerGroup:
             self.warmup_progress = progress.fraction
             self._warm = progress.description
         self._batched, self._num_lanes = batched, num_lanes
+        # The step stream before the worker counts as back: a worker may still hold the stream
+        # of a control plane that vanished (until keepalive ends it, worker/server.py).
+        self.not_ready_reason = f"worker at {link.address} is warm; waiting for it to take the step stream"
+        await link.open()
         if self.stalled_since is not None:
             log.warning("worker %s at %s is back %.0f s after it stalled", self.name, self.address,
                         time.monotonic() - self.stalled_since)
@@ -305,7 +309,6 @@ class WorkerGroup:
         raises WorkerDraining with the requests held."""
         group, link = self.lane_group, self._link
         assert group is not None and link is not None
-        await link.open()
         ended = asyncio.ensure_future(link.ended())
         # (plan or None for a flush, pipelined, time sent)
         in_flight: deque[tuple[GroupPlan | None, bool, float]] = deque()

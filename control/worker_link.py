@@ -18,6 +18,9 @@ from .wire import StepOutcome, WorkerDescription, description_from_pb, step_batc
 
 log = logging.getLogger(__name__)
 
+# Above the worker's wait for a dead stream's keepalive to end it (worker/server.py TAKEOVER_WAIT_S).
+STREAM_ACCEPT_TIMEOUT_S = 60.0
+
 
 @dataclass(slots=True, frozen=True)
 class WarmupProgress:
@@ -79,13 +82,26 @@ class WorkerLink:
             raise WorkerError(f"worker at {self.address} failed warmup: {e.code().name}: {e.details()}") from e
         raise WorkerError(f"worker at {self.address} ended warmup without reporting done")
 
-    async def open(self) -> None:
-        """Open the ordered step stream; device state of requests lives as long as it does."""
-        self._stream = self._stub.Step(metadata=CALL_METADATA)
+    async def open(self, timeout: float = STREAM_ACCEPT_TIMEOUT_S) -> None:
+        """Open the ordered step stream; device state of requests lives as long as it does.
+        Returns once the worker has taken it (its initial metadata: it holds the stream and has
+        reset its device state); raises WorkerError when it refuses or does not within `timeout`."""
+        self._stream = stream = self._stub.Step(metadata=CALL_METADATA)
         self._next_step_id = 1
         self._results = asyncio.Queue()
         self.drain_notice.clear()
-        self._reader = asyncio.ensure_future(self._read(self._stream))
+        try:
+            await asyncio.wait_for(stream.initial_metadata(), timeout)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            raise WorkerError(f"worker at {self.address} did not take the step stream within "
+                              f"{timeout:g} s") from None
+        except grpc.aio.AioRpcError as e:
+            raise WorkerError(f"worker at {self.address} refused the step stream: {e.details()}") from e
+        if stream.done() and await stream.code() != grpc.StatusCode.OK:
+            raise WorkerError(f"worker at {self.address} refused the step stream: "
+                              f"{(await stream.code()).name}: {await stream.details()}")
+        self._reader = asyncio.ensure_future(self._read(stream))
 
     async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
         try:

@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ttserve.control_client import ControlClient, Result
+from ttserve.tls import PLAINTEXT, load_tls
 from ttserve.v1 import engine_pb2
 
 
@@ -101,3 +102,52 @@ class SteadyLoad:
             if result.take(out):
                 ended.append(out.request_id)
         return ended
+
+
+# Any fixed ids: greedy decoding makes every run of a prompt reproducible.
+PROMPTS = [[1, 9690, 314, 253, 1932, 30, 2], [1, 4093, 282, 260, 3575, 284, 2], [1, 504, 3458, 28, 2]]
+
+
+def main() -> None:
+    """The load as its own process, for a control plane the test process cannot reach (one in
+    another network namespace): runs until --stop-file exists, reporting to --report (JSON,
+    rewritten every half second: finished requests, then the mismatches once stopped)."""
+    import argparse
+    import json
+    import time
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--control", required=True)
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--stop-file", type=Path, required=True)
+    parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument("--tls", nargs=3, metavar=("CERT", "KEY", "CA"), default=None,
+                        help="mutual TLS to a control plane that serves it")
+    args = parser.parse_args()
+
+    def report(**fields) -> None:
+        args.report.with_suffix(".tmp").write_text(json.dumps(fields))
+        args.report.with_suffix(".tmp").replace(args.report)
+
+    client = ControlClient(args.control, load_tls(*args.tls) if args.tls else PLAINTEXT)
+    load = SteadyLoad(client, PROMPTS, args.max_tokens, args.concurrency)
+    references = load.references()
+    load.start()
+    while not args.stop_file.exists():
+        report(finished=load.finished(), placements=_placements(load.outcome))
+        time.sleep(0.5)
+    outcome = load.stop()
+    report(finished=load.finished(), placements=_placements(outcome), requests=len(outcome.results),
+           mismatches=outcome.mismatches(references), stopped=True)
+    client.close()
+
+
+def _placements(outcome: Outcome) -> list[int]:
+    """Worker ids that have served some request."""
+    return sorted({worker for r in list(outcome.results.values()) for worker, _ in r.placements})
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,9 @@ import grpc
 
 # 2: host-sampler options and logprobs (a version-1 worker would silently ignore them).
 # 3: images (AddRequest.mm_inputs, PrefillChunk.mm_inputs): a version-2 peer would drop them.
-PROTOCOL_VERSION = 3
+# 4: the step stream's accept (initial metadata once the worker holds it) and drain notice: a
+#    version-3 control plane would place requests on a worker that has not taken its stream.
+PROTOCOL_VERSION = 4
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
 # Every ttserve server and channel: a step's outputs or a long prompt can exceed gRPC's 4 MiB.
@@ -23,8 +25,12 @@ MESSAGE_LIMITS: tuple[tuple[str, int], ...] = (("grpc.max_receive_message_length
 # HTTP/2 keepalive on every channel: a peer that vanished without closing its connection (a host
 # powered off, a partition) is found within ~30 s instead of at the kernel's TCP timeout, and
 # idle streams (a step stream between requests) stay alive through middleboxes.
+# grpc 1.85 closes a transport on an unanswered ping after grpc.http2.ping_timeout_ms (default
+# 60 s), not after grpc.keepalive_timeout_ms alone: measured, a server with keepalive_time 2 s kept
+# a SIGSTOPped client's stream open indefinitely until ping_timeout_ms was set, then ended it in 5 s.
 KEEPALIVE: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 20_000),
                                           ("grpc.keepalive_timeout_ms", 10_000),
+                                          ("grpc.http2.ping_timeout_ms", 10_000),
                                           ("grpc.keepalive_permit_without_calls", 1),
                                           ("grpc.http2.max_pings_without_data", 0))
 # What servers accept of it (gRPC servers refuse pings more often than every 5 minutes by default).
@@ -37,6 +43,7 @@ KEEPALIVE_ACCEPTED: tuple[tuple[str, int], ...] = (("grpc.http2.min_recv_ping_in
 # aborts its requests) the same way.
 SERVER_KEEPALIVE: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 20_000),
                                                  ("grpc.keepalive_timeout_ms", 10_000),
+                                                 ("grpc.http2.ping_timeout_ms", 10_000),
                                                  ("grpc.http2.max_pings_without_data", 0))
 CHANNEL_OPTIONS = MESSAGE_LIMITS + KEEPALIVE
 SERVER_OPTIONS = MESSAGE_LIMITS + KEEPALIVE_ACCEPTED + SERVER_KEEPALIVE

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # out that window and takes the worker over. A stream still alive after it belongs to another
 # live control plane, which keeps the worker.
 TAKEOVER_WAIT_S = 40.0
+STREAM_ACCEPTED = (("ttserve-step-stream", "accepted"),)
 
 
 class DeviceService(device_pb2_grpc.DeviceServicer):
@@ -217,6 +218,8 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
             # On the device thread: behind any step an earlier, cancelled stream left running.
             await self._on_device(self.runner.reset)
+            # The control plane counts this worker as serving once it sees these (WorkerLink.open).
+            await context.send_initial_metadata(STREAM_ACCEPTED)
             async for pb in self._batches_until_drained(batches):
                 if pb is None:
                     log.info("telling the control plane this worker shuts down")
