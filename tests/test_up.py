@@ -25,7 +25,7 @@ def test_flags_go_to_their_services_and_ports_are_wired():
 def test_host_goes_to_every_service():
     _, shares = split_flags(["--host", "0.0.0.0"])
     assert all("0.0.0.0" in share for share in shares.values())
-    assert "127.0.0.1:50061" in shares["control"]  # services reach each other on loopback
+    assert "0=127.0.0.1:50061" in shares["control"]  # services reach each other on loopback; the worker is named 0
 
 
 def test_a_flag_no_service_declares_is_refused(capsys):
@@ -46,7 +46,7 @@ def test_each_service_gets_its_own_metrics_port_and_every_service_the_shutdown_t
 
 def test_an_ipv6_host_is_bracketed_where_services_reach_each_other():
     args, shares = split_flags(["--host", "::1", "--port", "9000"])
-    assert shares["control"][shares["control"].index("--worker") + 1] == "[::1]:50061"
+    assert shares["control"][shares["control"].index("--worker") + 1] == "0=[::1]:50061"
     assert _flag(shares["gateway"], "--control") == "[::1]:50051"
     assert args.url == "http://[::1]:9000"
 

@@ -101,7 +101,7 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
     host = _host(shares["gateway"])
     shares["worker"] += dotted + ["--port", str(args.worker_port),
                                   "--metrics-port", str(args.worker_metrics_port)]
-    shares["control"] += ["--port", str(args.control_port), "--worker", host_port(host, args.worker_port),
+    shares["control"] += ["--port", str(args.control_port), "--worker", f"0={host_port(host, args.worker_port)}",
                           "--metrics-port", str(args.control_metrics_port)]
     args.ready_timeout = _ready_timeout(args.ready_timeout, shares["control"])
     shares["gateway"] += ["--port", str(args.port), "--control", host_port(host, args.control_port),
