@@ -110,7 +110,8 @@ class ControlMetrics:
                               ["worker", "reason"], registry=r)
         self.migrations = Counter("ttserve_request_migrations",
                                   "Requests of a lost worker, by outcome: requeued (on another lane, or "
-                                  "the worker once back), failed_limit (--migration-limit reached), "
+                                  "the worker once back), handed_off (off a worker that drained or was "
+                                  "removed), failed_limit (--migration-limit reached), "
                                   "failed_timeout (no worker ready within --migration-timeout).",
                                   ["outcome"], registry=r)
         self.stalls = Counter("ttserve_worker_stalls", "Times a worker was found stalled.",
