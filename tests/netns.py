@@ -22,9 +22,10 @@ Invariants:
   `ip netns exec` bind-mounts over /etc/hosts, with an empty resolv.conf beside it so that an
   unknown name fails at once instead of waiting on a nameserver that cannot be reached.
   `inside` does not see these files (no mount namespace): there, use addresses.
-- On exit, every process `popen` started that still runs is killed (by its pid) and reaped, then
-  the namespaces (and with them the bridge and the veths) and the /etc/netns folders are removed,
-  also when the body raised.
+- On exit, every process `popen` started that still runs is killed (by its pid) and reaped, and
+  so is any process still inside one of the namespaces (necessarily one of theirs); then the
+  namespaces (and with them the bridge and the veths) and the /etc/netns folders are removed,
+  also when the body raised. /etc/netns itself stays: other runs may be using it.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import ctypes
 import os
 import random
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -155,6 +157,12 @@ class Network:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         self._procs.clear()
+        # What those processes started and left behind (a helper a killed service forked): only
+        # our processes' descendants can be inside these private namespaces.
+        for ns in self._created:
+            for pid in processes_in(self.inodes[ns]):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         for ns in reversed(self._created):
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
             shutil.rmtree(NETNS_ETC_DIR / ns, ignore_errors=True)
