@@ -815,7 +815,8 @@ def test_dockerfile(service):
     env = " ".join(final.all("ENV"))
     url = re.search(r"TTSERVE_HEALTH_URL=(\S+)", env).group(1)
     scheme = "https" if service == "gateway" else "http"  # the gateway's default CMD serves HTTPS
-    assert re.fullmatch(rf"{scheme}://127\.0\.0\.1:{HTTP_PORT[service]}/(health|ready)", url), url
+    # Liveness (/health): a /ready healthcheck would mark a warming-up service unhealthy.
+    assert re.fullmatch(rf"{scheme}://127\.0\.0\.1:{HTTP_PORT[service]}/health", url), url
     # The default command is one the service accepts, with mutual TLS from /run/secrets.
     args = parse_service_args(service, json.loads(final.all("CMD")[-1]))
     assert args.host == "0.0.0.0" and args.ssl_ca_certs == "/run/secrets/ca.crt" and not args.insecure
@@ -929,13 +930,16 @@ def test_docker_compose_services():
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
     assert set(services) == {"worker", "control", "gateway", "prometheus", "grafana"}
-    health_url = {"worker": "http://127.0.0.1:9402/ready", "control": "http://127.0.0.1:9401/ready",
+    # Liveness everywhere. A /ready healthcheck deadlocks the start: the worker is ready only after
+    # the control plane's Warmup, and the control plane starts only once the worker is healthy.
+    health_url = {"worker": "http://127.0.0.1:9402/health", "control": "http://127.0.0.1:9401/health",
                   "gateway": "https://127.0.0.1:8000/health"}
     depends = {"control": "worker", "gateway": "control"}
     for name in SERVICES:
         service = services[name]
         test = " ".join(service["healthcheck"]["test"])
         assert health_url[name] in test and str(HTTP_PORT[name]) in health_url[name], test
+        assert "/ready" not in test, f"{name}: readiness is not liveness"
         assert seconds(service["stop_grace_period"]) > DEFAULT_SHUTDOWN_TIMEOUT_S + 5
         assert service["build"]["dockerfile"] == f"deploy/docker/Dockerfile.{name}"
         assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
