@@ -146,7 +146,33 @@ def gemm_unavailable(weight: torch.Tensor) -> str:
         return f"the weight is on {weight.device.type}"
     if weight.dtype not in (torch.bfloat16, torch.float16):
         return f"{weight.dtype} runs the plain torch path (float32 stays the textbook computation)"
-    return _load()
+    return _load() or _probe(weight.dtype)
+
+
+_probed: dict[torch.dtype, str] = {}
+
+
+def _probe(dtype: torch.dtype) -> str:
+    """"" when oneDNN builds and runs a matmul of this dtype on this CPU. It cannot everywhere:
+    on an AMD EPYC with avx512_bf16 but neither avx512_fp16 nor AMX, creating a float16 handler
+    raises "could not create a primitive descriptor" (measured)."""
+    if dtype not in _probed:
+        weight = torch.zeros(16, 16, dtype=dtype)
+        try:
+            pointer = torch.ops._C.create_onednn_mm_handler(weight.t(), _PRIMITIVE_CACHE)
+        except RuntimeError as e:
+            _probed[dtype] = f"oneDNN has no {dtype} matmul on this CPU ({str(e).split('.')[0]})"
+            return _probed[dtype]
+        try:
+            for rows in (1, 32):  # a decode's and a prefill's primitive
+                x = torch.zeros(rows, 16, dtype=dtype)
+                torch.ops._C.onednn_mm(torch.empty_like(x), x, None, torch.tensor(pointer, dtype=torch.int64))
+            _probed[dtype] = ""
+        except RuntimeError as e:
+            _probed[dtype] = f"oneDNN has no {dtype} matmul on this CPU ({str(e).split('.')[0]})"
+        finally:
+            torch.ops._C.release_dnnl_matmul_handler(pointer)
+    return _probed[dtype]
 
 
 # vLLM's size for each handler's cache of primitives by row count (layers/utils.py passes 32).
