@@ -20,7 +20,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from compose_harness import duration, interpolate, read_dockerfile
 from stack import DEFAULT_SHUTDOWN_TIMEOUT_S, REQUIRE_OPS_TOOLS, require_tool
+# The units' and environment files' readers are the ones tests/systemd_harness.py runs them with.
+from systemd_harness import (INSTALLED_BINARY, expand_exec_args, one, parse_env_text, read_env_file,
+                             read_unit, seconds, values, words)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -466,84 +470,6 @@ UNIT_SECURITY_FLAGS = {"worker": _TLS_FLAGS, "control": _TLS_FLAGS,
                        "gateway": f"{_TLS_FLAGS} --api-key-file %d/api-key"}
 UNITS = {"worker": "ttserve-worker.service", "worker@": "ttserve-worker@.service",
          "control": "ttserve-control.service", "gateway": "ttserve-gateway.service"}
-INSTALLED_BINARY = "/opt/ttserve/.venv/bin/ttserve"
-
-
-def read_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
-    """section -> [(key, value)] in order; keys repeat (Environment=, EnvironmentFile=)."""
-    sections: dict[str, list[tuple[str, str]]] = {}
-    current = None
-    for raw in path.read_text().splitlines():
-        line = raw.strip()
-        if not line or line[0] in "#;":
-            continue
-        if line.startswith("["):
-            current = sections.setdefault(line.strip("[]"), [])
-            continue
-        assert current is not None and "=" in line, f"{path.name}: {raw!r}"
-        key, value = line.split("=", 1)
-        current.append((key.strip(), value.strip()))
-    return sections
-
-
-def values(unit: dict, section: str, key: str) -> list[str]:
-    return [v for k, v in unit.get(section, []) if k == key]
-
-
-def one(unit: dict, section: str, key: str) -> str | None:
-    found = values(unit, section, key)
-    return found[-1] if found else None
-
-
-def words(unit: dict, section: str, key: str) -> set[str]:
-    return {w for v in values(unit, section, key) for w in v.split()}
-
-
-def seconds(value: str) -> float:
-    """A systemd time span such as 60, 90s, 1min 30s."""
-    scale = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "ms": 0.001}
-    total = 0.0
-    for number, unit in re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]*)", value):
-        total += float(number) * scale[unit]
-    return total
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    return parse_env_text(path.read_text(), path.name)
-
-
-def parse_env_text(text: str, name: str = "env file") -> dict[str, str]:
-    """An EnvironmentFile= as systemd reads it, for the subset the examples may use: a value that
-    starts with a quote loses that pair of quotes, any other keeps its quotes verbatim; no
-    backslashes (systemd would drop them), no line continuations."""
-    env = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line[0] in "#;":
-            continue
-        key, sep, value = line.partition("=")
-        assert sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()), f"{name}: {raw!r}"
-        assert "\\" not in value, f"{name}: {key}: systemd drops backslashes from values"
-        value = value.strip()
-        if value[:1] in ("'", '"'):
-            assert value[-1] == value[0] and len(value) > 1, f"{name}: {key}: unbalanced quote"
-            value = value[1:-1]
-        env[key.strip()] = value
-    return env
-
-
-def expand_exec_args(exec_start: str, env: dict[str, str]) -> list[str]:
-    """ExecStart= arguments after systemd's expansion: an unbraced $VAR word becomes the
-    variable's words, split honouring quotes (EXTRACT_UNQUOTE, like shlex)."""
-    argv = []
-    for word in shlex.split(exec_start):
-        if re.fullmatch(r"\$[A-Za-z_][A-Za-z0-9_]*", word):
-            argv += shlex.split(env.get(word[1:], ""))
-        else:
-            argv.append(word)
-    return argv
-
-
 def shutdown_timeout(argv: list[str]) -> float:
     for i, arg in enumerate(argv):
         if arg == "--shutdown-timeout":
@@ -766,36 +692,6 @@ def test_systemd_security_exposure(tmp_path):
 
 # ---- Docker ---------------------------------------------------------------------------------------
 
-@dataclass
-class Dockerfile:
-    path: Path
-    instructions: list[tuple[str, str]]
-
-    def all(self, keyword: str) -> list[str]:
-        return [args for kw, args in self.instructions if kw == keyword]
-
-    def final_stage(self) -> "Dockerfile":
-        starts = [i for i, (kw, _) in enumerate(self.instructions) if kw == "FROM"]
-        return Dockerfile(self.path, self.instructions[starts[-1]:])
-
-
-def read_dockerfile(path: Path) -> Dockerfile:
-    instructions, pending = [], ""
-    for raw in path.read_text().splitlines():
-        line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if pending and line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line, pending = pending + line, ""
-        keyword, _, args = line.partition(" ")
-        instructions.append((keyword.upper(), args.strip()))
-    return Dockerfile(path, instructions)
-
-
 DOCKER_BASE = {"worker": "python:3.12-slim", "control": "python:3.12-slim", "gateway": "python:3.11-slim"}
 
 
@@ -916,14 +812,9 @@ def test_docker_compose_requires_the_grafana_password():
 
 
 def compose_command(command: list[str]) -> list[str]:
-    """A compose `command:` with ${VAR}, ${VAR:-default} and ${VAR:?message} substituted."""
-    def substitute(match: re.Match) -> str:
-        name, op, rest = match.group(1), match.group(2) or "", match.group(3) or ""
-        if name in COMPOSE_ENV:
-            return COMPOSE_ENV[name]
-        assert op == ":-", f"${{{name}}} has no default and the test sets no value"
-        return rest
-    return [re.sub(r"\$\{(\w+)(?:(:[-?])([^}]*))?\}", substitute, arg) for arg in command]
+    """A compose `command:` with ${VAR}, ${VAR:-default} and ${VAR:?message} substituted (a
+    required variable the test does not set raises ComposeError)."""
+    return [interpolate(arg, COMPOSE_ENV) for arg in command]
 
 
 def test_docker_compose_services():
@@ -940,7 +831,7 @@ def test_docker_compose_services():
         test = " ".join(service["healthcheck"]["test"])
         assert health_url[name] in test and str(HTTP_PORT[name]) in health_url[name], test
         assert "/ready" not in test, f"{name}: readiness is not liveness"
-        assert seconds(service["stop_grace_period"]) > DEFAULT_SHUTDOWN_TIMEOUT_S + 5
+        assert duration(service["stop_grace_period"]) > DEFAULT_SHUTDOWN_TIMEOUT_S + 5
         assert service["build"]["dockerfile"] == f"deploy/docker/Dockerfile.{name}"
         assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
         for env_file in service["env_file"]:
