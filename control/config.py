@@ -173,10 +173,13 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
                              ready=lambda: (engine.ready, engine.not_ready_reason))
     runner = asyncio.create_task(engine.run())
     reread = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reread.set)
+    # SIGHUP re-reads --workers-file (systemd's ExecReload); without one there is nothing to
+    # reload, which is said rather than the default of dying.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reread.set if config.workers_file else lambda: log.info(
+        "SIGHUP: nothing to reload (SIGHUP re-reads --workers-file, and none is given)"))
     follower = asyncio.create_task(follow_file(
-        Path(config.workers_file), tuple(parse_entry(e) for e in args.worker or ()), engine.set_workers,
-        reread)) if config.workers_file else None
+        Path(config.workers_file), tuple(parse_entry(e) for e in args.worker or ()), config.workers,
+        engine.set_workers, reread)) if config.workers_file else None
     try:
         if not await run_service(serve(engine, args.host, args.port, config.tls), (args.host, args.metrics_port),
                                  endpoints, "control plane", drain, engine.fatal):

@@ -59,6 +59,9 @@ class Engine:
         # of a drained or removed worker are handed off, which spends no --migration-limit.
         self._migrating: list[Request] = []
         self._handed_off: set[str] = set()
+        # Each migrating request's --migration-timeout, cancelled when it is placed or ends: a
+        # request that moves again waits its full time again.
+        self._expiry: dict[str, asyncio.TimerHandle] = {}
         for reason in ("invalid", "unavailable", "draining", "overloaded"):
             self.metrics.refused.labels(reason)  # exported as 0 from the start
         for outcome in ("requeued", "handed_off", "failed_limit", "failed_timeout"):
@@ -257,8 +260,8 @@ class Engine:
         """The step loop of one worker, as long as it is in the set: connect and warm it up,
         check it against the serving limits, then publish each step's result; a worker lost
         hands back what it held (to migrate) and is reconnected. An incompatible worker is
-        refused alone and asked again later, unless it is the only one (then nothing can serve:
-        IncompatibleWorker ends the control plane)."""
+        refused alone and asked again later while another worker serves; with none serving the
+        configuration serves nothing, and IncompatibleWorker ends the control plane."""
         while True:
             retry_s = self.config.reconnect_interval_s
             try:
@@ -276,8 +279,8 @@ class Engine:
                 log.error("%s; reconnecting", e)
                 self._migrate(e.requests if isinstance(e, WorkerLost) else worker.release(), str(e))
             except IncompatibleWorker as e:
-                if len(self.workers) <= 1:
-                    raise
+                if not any(w.serving for w in self.workers.values() if w is not worker):
+                    raise  # nothing else serves: the configuration cannot serve at all
                 worker.not_ready_reason = f"refused: {e}"
                 log.error("worker %s at %s refused (the others serve on): %s; asked again in %.0f s",
                           worker.name, worker.address, e, REFUSED_RETRY_S)
@@ -326,8 +329,8 @@ class Engine:
                                f"the first worker uses {s.block_size}: start every worker with the same "
                                "--block-size (prefix caching and placement hash whole blocks)")
         if lane_capacity < s.max_model_len:
-            raise WorkerError(f"the worker at {d.address} holds {lane_capacity} tokens per lane, "
-                              f"below max_model_len {s.max_model_len}: give it more KV memory")
+            raise IncompatibleWorker(f"the worker at {d.address} holds {lane_capacity} tokens per lane, "
+                                     f"below max_model_len {s.max_model_len}: give it more KV memory")
         return s
 
     # ---- shutdown --------------------------------------------------------------------------
@@ -420,7 +423,8 @@ class Engine:
             else:
                 request.num_migrations += 1
             self._migrating.append(request)
-            loop.call_later(self.config.migration_timeout_s, self._migration_expired, request, reason)
+            self._expiry[request.request_id] = loop.call_later(self.config.migration_timeout_s,
+                                                               self._migration_expired, request, reason)
         if self._migrating:
             log.warning("migrating %d request(s) off the worker: %s", len(self._migrating), reason)
         self._place_migrating()
@@ -434,7 +438,7 @@ class Engine:
             placed = choose_lane([c for w in ready for c in w.candidates()], request)
             self.workers[placed.worker].adopt(request, placed.index)
             outcome = "handed_off" if request.request_id in self._handed_off else "requeued"
-            self._handed_off.discard(request.request_id)
+            self._stop_migrating(request)
             self.metrics.migrations.labels(outcome).inc()
             log.info("request %s moved to worker %s lane %d: recomputing %d tokens", request.request_id,
                      self.workers[placed.worker].name, placed.index, request.num_tokens)
@@ -444,17 +448,24 @@ class Engine:
         if request not in self._migrating:
             return  # placed, or ended
         self._migrating.remove(request)
-        self._handed_off.discard(request.request_id)
+        self._stop_migrating(request)
         self.metrics.migrations.labels("failed_timeout").inc()
         request.finish(FinishReason.ERROR, f"{reason}; no worker was ready to take the request within "
                        f"--migration-timeout {self.config.migration_timeout_s:g} s")
         self._publish(0, [request])
 
+    def _stop_migrating(self, request: Request) -> None:
+        """`request` left the migrating list (placed, expired or ended): forget its move."""
+        self._handed_off.discard(request.request_id)
+        expiry = self._expiry.pop(request.request_id, None)
+        if expiry is not None:
+            expiry.cancel()
+
     def _end(self, request: Request, reason: FinishReason, message: str) -> None:
         """Finish a request the serving side ends (its lane frees its row and blocks)."""
         if request in self._migrating:  # on no lane
             self._migrating.remove(request)
-            self._handed_off.discard(request.request_id)
+            self._stop_migrating(request)
             request.finish(reason, message)
             return
         self.workers[request.worker].end(request, reason, message)

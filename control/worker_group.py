@@ -123,8 +123,10 @@ class WorkerGroup:
 
     @property
     def serving(self) -> bool:
-        """New requests may be placed here."""
-        return self.ready and not self.stalled and not self.draining
+        """New requests may be placed here: not once the worker said it shuts down, even while
+        the steps in flight come back."""
+        noticed = self._link is not None and self._link.drain_notice.is_set()
+        return self.ready and not self.stalled and not self.draining and not noticed
 
     @property
     def state(self) -> str:
@@ -346,6 +348,9 @@ class WorkerGroup:
                     yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs,
                                                                 outcome.refused))
         except WorkerError as e:
+            if link.drain_notice.is_set():  # it said it shuts down: a planned end, whatever broke after
+                raise WorkerDraining(f"worker {self.name} at {self.address} is shutting down ({e})",
+                                     self.release()) from e
             raise WorkerLost(str(e), self.release()) from e
         finally:
             ended.cancel()
@@ -398,5 +403,5 @@ class WorkerGroup:
         await asyncio.wait({woken, noticed, ended}, return_when=asyncio.FIRST_COMPLETED)
         woken.cancel()
         noticed.cancel()
-        if ended.done():
+        if ended.done() and not drain_notice.is_set():
             raise WorkerError(ended.result())

@@ -79,31 +79,50 @@ def combine(specs: list[WorkerSpec]) -> tuple[WorkerSpec, ...]:
     return tuple(names.values())
 
 
-async def follow_file(path: Path, flagged: tuple[WorkerSpec, ...],
+async def follow_file(path: Path, flagged: tuple[WorkerSpec, ...], current: tuple[WorkerSpec, ...],
                       apply: Callable[[tuple[WorkerSpec, ...]], None], reread: asyncio.Event,
-                      poll_s: float = 2.0) -> None:
-    """Apply `flagged` + the workers `path` lists whenever its content changes (checked every
-    `poll_s`, and at once when `reread` is set: SIGHUP). A file that cannot be read or parsed
-    keeps the current set (logged): a half-written edit must not drop every worker."""
-    last = _read(path)
+                      poll_s: float = 2.0, settle_s: float = 0.5) -> None:
+    """Apply `flagged` + the workers `path` lists whenever that differs from the set applied last
+    (`current` at first), checked every `poll_s` and at once when `reread` is set (SIGHUP). An
+    edit is applied only once the file reads the same twice, `settle_s` apart: an editor's
+    half-written save is not a worker set. A file that cannot be read or parsed, or that would
+    leave no worker at all, keeps the current set (logged)."""
     while True:
         try:
             await asyncio.wait_for(reread.wait(), timeout=poll_s)
         except asyncio.TimeoutError:
             pass
-        forced, _ = reread.is_set(), reread.clear()
-        text = _read(path)
-        if text is None or (text == last and not forced):
+        reread.clear()
+        specs = await _settled(path, flagged, settle_s)
+        if specs is None or specs == current:
             continue
-        try:
-            specs = combine(list(flagged) + _parse_text(text, path))
-        except WorkerSetError as e:
-            log.error("--workers-file %s: %s; the worker set stays as it is", path, e)
+        if not specs:
+            log.error("--workers-file %s lists no worker and no --worker is given: the worker set stays "
+                      "as it is (stop the control plane to serve nothing)", path)
             continue
-        last = text
         log.info("--workers-file %s: %d worker(s): %s", path, len(specs),
-                 ", ".join(f"{s.name}={s.address}" for s in specs) or "none")
-        apply(specs)
+                 ", ".join(f"{s.name}={s.address}" for s in specs))
+        try:
+            apply(specs)
+        except Exception:  # noqa: BLE001 - a fault applying one edit must not stop following the file
+            log.exception("--workers-file %s: applying the new worker set failed", path)
+        current = specs
+
+
+async def _settled(path: Path, flagged: tuple[WorkerSpec, ...], settle_s: float) -> tuple[WorkerSpec, ...] | None:
+    """The worker set the file gives once two reads `settle_s` apart agree; None when it cannot
+    be read or parsed (logged) or is still changing."""
+    text = _read(path)
+    if text is None:
+        return None
+    await asyncio.sleep(settle_s)
+    if _read(path) != text:
+        return None  # still being written: the next poll looks again
+    try:
+        return combine(list(flagged) + _parse_text(text, path))
+    except WorkerSetError as e:
+        log.error("--workers-file %s: %s; the worker set stays as it is", path, e)
+        return None
 
 
 def _read(path: Path) -> str | None:

@@ -48,7 +48,6 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         self.draining = False
         self._drain_notice = asyncio.Event()  # set with `draining`: the step stream tells its control plane
         self._stepping = False            # a model call is executing on the device thread
-        self._last_step = 0.0             # time.monotonic() the last model call ended
         # Every model call (warmup, launch, finish) runs on this one thread. OpenMP keeps a
         # thread team per calling thread: spread over asyncio's default pool, each pool thread
         # that ever ran a step owns a team whose threads spin after every parallel region on the
@@ -66,7 +65,6 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             return fn(*args)
         finally:
             self._stepping = False
-            self._last_step = time.monotonic()
 
     @property
     def ready(self) -> bool:
@@ -78,25 +76,20 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             return "the worker is shutting down"
         return "" if self.runner.config is not None else "not warmed up (the control plane starts warmup)"
 
-    async def drain(self, timeout_s: float, idle_s: float = 1.0) -> None:
+    async def drain(self, timeout_s: float) -> None:
         """Refuse new streams, tell the control plane on the step stream (it moves this worker's
-        requests to others and closes the stream), then wait (up to `timeout_s`) for it to stop
-        stepping: its stream closed, or no step for `idle_s` (a control plane steps without
-        pause while any request on this worker runs). A step already on the device always
+        requests to others, taking the results of the steps in flight, and closes the stream),
+        then wait up to `timeout_s` for the stream to close. A step already on the device always
         finishes before this returns."""
         self.draining = True
         self._drain_notice.set()
         self.metrics.draining.set(1)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self._stream_lock.locked():
-                break
-            if not self._stepping and time.monotonic() - self._last_step >= idle_s:
-                break
+        while self._stream_lock.locked() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        else:
-            log.warning("draining: the step stream was still busy after %g s (--shutdown-timeout)",
-                        timeout_s)
+        if self._stream_lock.locked():
+            log.warning("draining: the control plane still held the step stream after %g s "
+                        "(--shutdown-timeout)", timeout_s)
         while self._stepping:  # the device step in progress runs to its end
             await asyncio.sleep(0.01)
         log.info("drained")
