@@ -30,7 +30,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 # CI sets TTSERVE_REQUIRE_OPS_TOOLS=1: a missing ops tool (promtool, prometheus, systemd-analyze,
 # docker-compose) then fails the test that needs it instead of skipping it.
 REQUIRE_OPS_TOOLS = os.environ.get("TTSERVE_REQUIRE_OPS_TOOLS") == "1"
-OPS_TOOLS_HINT = "apt-get install prometheus docker-compose systemd"
+OPS_TOOLS_HINT = "apt-get install prometheus docker-compose systemd kubernetes-client iproute2"
 
 
 def require_tool(name: str) -> str:

@@ -626,6 +626,10 @@ def fake_root(tmp_path: Path, units: dict[str, str]) -> Path:
     binary.parent.mkdir(parents=True)
     binary.write_text("#!/bin/sh\nexit 0\n")
     binary.chmod(0o755)
+    kill = root / "bin" / "kill"  # the control plane's ExecReload= (verify checks it is executable)
+    kill.parent.mkdir(parents=True, exist_ok=True)
+    kill.write_text("#!/bin/sh\nexit 0\n")
+    kill.chmod(0o755)
     host_units = next((Path(d) for d in SYSTEM_UNIT_DIRS if (Path(d) / "sysinit.target").exists()), None)
     assert host_units is not None, f"none of {SYSTEM_UNIT_DIRS} holds the system's units"
     shutil.copytree(host_units, root / "usr" / "lib" / "systemd" / "system", symlinks=True)
@@ -859,7 +863,8 @@ def test_docker_compose_services():
     for secret in compose["secrets"].values():
         assert secret["file"].startswith("${TTSERVE_TLS_DIR:?"), secret
     control_args = parse_service_args("control", compose_command(services["control"]["command"]))
-    assert control_args.worker == [f"worker:{GRPC_PORT['worker']}"]
+    # Named as prometheus.yml labels the worker's own target, so the two views join.
+    assert control_args.worker == [f"0=worker:{GRPC_PORT['worker']}"]
     assert gateway_args.control == f"control:{GRPC_PORT['control']}"
     # Prometheus reads deploy/prometheus; its rule files sit beside the config.
     assert "./prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
