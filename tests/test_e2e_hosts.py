@@ -58,6 +58,11 @@ def test_a_partitioned_worker_loses_nothing_and_is_taken_back_once_healed(tmp_pa
     require_netns()
     with Network(["control", "w0", "w1"]) as net:
         hosts = Hosts(net, tmp_path)
+        # The exposure rule on a real address: no mutual TLS, no start (exit 2, before any model).
+        bare = net.run("w0", [sys.executable, "-m", "ttserve.worker", "--host", net.address("w0"),
+                              "--model", str(smollm2), "--metrics-port", "0"], capture_output=True, text=True,
+                       timeout=120)
+        assert bare.returncode == 2 and "refusing to serve" in bare.stderr + bare.stdout, bare.stderr[-2000:]
         for w in ("w0", "w1"):
             hosts.start(w, "ttserve.worker", "--host", net.address(w), "--port", "50061", "--metrics-port", "9402",
                         "--model", str(smollm2), *WORKER_FLAGS, "--control-identity", "control")

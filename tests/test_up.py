@@ -91,3 +91,38 @@ def test_up_probes_its_gateways_ready_with_a_key_the_gateway_accepts(tmp_path):
     assert split_flags(["--api-key-file", str(tmp_path / "keys")])[0].probe_key == "file-key"
     # A key file the gateway refuses (exit 2, which stops up) leaves up without one, not failed.
     assert split_flags(["--api-key-file", str(tmp_path / "missing")])[0].probe_key is None
+
+
+def test_a_service_stops_when_up_dies_however_it_dies(tmp_path):
+    """up's services run in sessions of their own; SIGKILL of up must still reach them (as
+    SIGTERM), or a gateway left behind waits for its control plane forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child"
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+from ttserve.up import _stop_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                         preexec_fn=_stop_with_parent)
+open({str(pid_file)!r}, "w").write(str(child.pid))
+time.sleep(120)
+"""])
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the child outlived its SIGKILLed parent")

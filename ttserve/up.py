@@ -202,7 +202,8 @@ def up(argv: list[str]) -> int:
         # gateway draining first. In the terminal's group each would get the signal at once,
         # and up's SIGTERM would be the gateway's second signal, which aborts its streams.
         # (start_new_session rather than 3.11's process_group=0: workers run Python 3.10.)
-        return subprocess.Popen([sys.executable, "-m", f"ttserve.{name}", *shares[name]], start_new_session=True)
+        return subprocess.Popen([sys.executable, "-m", f"ttserve.{name}", *shares[name]], start_new_session=True,
+                                preexec_fn=_stop_with_parent)
 
     restarts = {name: 0 for name in SERVICES}
     started_at: dict[str, float] = {}
@@ -253,6 +254,18 @@ def up(argv: list[str]) -> int:
                     proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when up dies, however it dies (SIGKILL, OOM). Out of
+    up's process group, a service would otherwise outlive it; a gateway then waits for its
+    control plane forever. Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def _not_serving(url: str, context: ssl.SSLContext | None = None, key: str | None = None) -> str | None:
