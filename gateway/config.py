@@ -9,6 +9,7 @@ import asyncio
 import functools
 import sys
 
+from ttserve.gateway.media_limits import DEFAULT_MAX_IMAGE_PIXELS
 from ttserve.logs import setup_logging
 
 DEFAULT_CONTROL = "127.0.0.1:50051"
@@ -27,6 +28,16 @@ def _seconds(text: str, kind: type[int] | type[float] = int) -> int | float:
 
 
 _wait_bound = functools.partial(_seconds, kind=float)  # a wait's bound in seconds; 0: none
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-images-per-prompt", type=int, default=8, metavar="N",
                         help="vision models: the most images one request may carry (vLLM's "
                              "--limit-mm-per-prompt image count; videos are not served) (default %(default)d)")
+    parser.add_argument("--max-image-pixels", type=_positive, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                        help="vision models: an image whose width x height exceeds N is refused (HTTP "
+                             "400) before it is decoded (default %(default)d, 4096 x 4096)")
     parser.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
                         help="vision models: fetch http(s) image URLs from these hosts only; without "
                              "it, images come as data URLs and http(s) image URLs are refused")

@@ -30,6 +30,7 @@ from typing import Awaitable, Callable, NoReturn
 import grpc
 
 from ttserve.gateway.control_channel import open_control_channel
+from ttserve.gateway import media_limits
 from ttserve.gateway.readiness import describe_workers
 from ttserve.gateway.waiting import BACKLOG, WaitingResponder, http_ssl_context
 from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version, host_port
@@ -347,6 +348,7 @@ async def serve(args: argparse.Namespace) -> int:
         context = http_ssl_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.vllm_args)
     except (OSError, ssl.SSLError) as e:  # resolve_security read them a moment ago
         raise ConfigRefused(f"--ssl-certfile {args.ssl_certfile}: {e}") from None
+    media_limits.apply(args.max_image_pixels)  # before the preload imports vLLM
     sock = bind_http_socket(args.host, args.port)
     stop_on_signal()
     waiting = WaitingResponder(sock, args.api_keys, public_metrics=args.public_metrics, ssl_context=context)

@@ -142,7 +142,8 @@ def test_an_undecodable_image_is_a_clear_400(client, model_name):
 
 @pytest.fixture
 def image_server():
-    """A loopback HTTP server with one PNG at /cat.png; yields (base url, the image)."""
+    """A loopback HTTP server with one PNG at /cat.png (and /redirect?to=URL answering 302 to
+    URL); yields (base url, the image)."""
     import http.server
     import threading
 
@@ -153,6 +154,11 @@ def image_server():
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path.startswith("/redirect?to="):
+                self.send_response(302)
+                self.send_header("Location", self.path.split("=", 1)[1])
+                self.end_headers()
+                return
             self.send_response(200 if self.path == "/cat.png" else 404)
             self.send_header("Content-Type", "image/png")
             self.send_header("Content-Length", str(len(body)))
@@ -187,6 +193,76 @@ def test_http_image_urls_are_refused_unless_the_operator_allows_their_host(clien
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
                                        max_tokens=4)
     assert "allowed domains" in str(e.value) and "127.0.0.1" in str(e.value)
+
+
+def bomb_png(side: int) -> bytes:
+    """A valid grayscale PNG of side x side pixels, all black: 13,000 is 169 MP in ~170 KB, which
+    would decode to ~500 MB of RGB. Written row by row, so making it costs no such memory here."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    packer, row, parts = zlib.compressobj(9), b"\0" * (side + 1), []  # filter byte 0, then the row
+    for _ in range(side):
+        parts.append(packer.compress(row))
+    parts.append(packer.flush())
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b""))
+
+
+def rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_decompression_bomb_is_a_clear_400_before_it_is_decoded(client, model_name, stack):
+    bomb = "data:image/png;base64," + base64.b64encode(bomb_png(13_000)).decode()
+    assert len(bomb) < 400_000
+    gateway = stack.services[-1].proc.pid
+    before = rss_kib(gateway)
+    content = [{"type": "image_url", "image_url": {"url": bomb}} for _ in range(3)] + [
+        {"type": "text", "text": "How big?"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
+                                       max_tokens=4)
+    assert "13000x13000" in str(e.value) and str(16_777_216) in str(e.value)
+    # Three bombs would be ~1.5 GB decoded; refused from their headers, the gateway barely grows.
+    assert rss_kib(gateway) - before < 100 * 1024
+
+
+def test_a_redirect_from_an_allowed_host_is_not_followed(client, model_name, image_server):
+    """The allowed host answers 302 to another address: the gateway does not go there."""
+    import http.server
+    import threading
+
+    reached = []
+
+    class Target(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            reached.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    target = http.server.ThreadingHTTPServer(("127.0.0.2", 0), Target)
+    threading.Thread(target=target.serve_forever, daemon=True).start()
+    base, _ = image_server
+    url = f"{base}/redirect?to=http://127.0.0.2:{target.server_address[1]}/metadata"
+    try:
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
+                                           max_tokens=4)
+        assert reached == []
+    finally:
+        target.shutdown()
+        target.server_close()
 
 
 def test_too_many_images_is_a_clear_400(client, model_name):
