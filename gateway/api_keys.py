@@ -8,8 +8,10 @@ request needs `Authorization: Bearer KEY` with one of them, except
 - `/health` (liveness; says only whether the gateway is up), and
 - `/metrics` when the operator passes --public-metrics (for a Prometheus that sends no key;
   Prometheus can send one with `authorization: {credentials_file: ...}` instead), and
-- CORS preflights (OPTIONS with Access-Control-Request-Method), which carry no credentials by
-  the browser's rules and reach only vLLM's CORS middleware.
+- CORS preflights (OPTIONS with Origin and Access-Control-Request-Method), which carry no
+  credentials by the browser's rules and are answered by vLLM's CORS middleware alone. Without
+  Origin that middleware is no preflight's answer: the OPTIONS would reach the routes (405 on a
+  route, 404 elsewhere), which enumerates them; so it needs the key.
 
 Unknown paths get 401 as well, so an unauthenticated client learns nothing about which routes
 exist. Keys are compared as SHA-256 digests with hmac.compare_digest against every configured key
@@ -108,8 +110,8 @@ def _bearer(scope: Scope) -> str | None:
 
 
 def _preflight(scope: Scope) -> bool:
-    return scope.get("method") == "OPTIONS" and any(
-        name == b"access-control-request-method" for name, _ in scope.get("headers") or ())
+    names = {name for name, _ in scope.get("headers") or ()}
+    return scope.get("method") == "OPTIONS" and {b"origin", b"access-control-request-method"} <= names
 
 
 class ApiKeyMiddleware:

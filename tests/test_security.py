@@ -84,6 +84,8 @@ def test_a_cors_preflight_passes_but_a_bare_options_needs_the_key():
     preflight = {"Origin": "https://x", "Access-Control-Request-Method": "POST"}
     assert _status(app, "/v1/chat/completions", "OPTIONS", preflight) == 200
     assert _status(app, "/v1/chat/completions", "OPTIONS") == 401
+    # Without Origin it is no preflight (CORS middleware would pass it on to the routes).
+    assert _status(app, "/v1/chat/completions", "OPTIONS", {"Access-Control-Request-Method": "POST"}) == 401
 
 
 # ---- certificates -------------------------------------------------------------------------------
