@@ -34,6 +34,8 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
         bad_words=tuple(tuple(w.token_ids) for w in s.bad_words if w.token_ids),
         logprobs=s.logprobs if s.HasField("logprobs") else None)
     unsupported = ["prompt_logprobs"] if s.HasField("prompt_logprobs") else []
+    if add.priority:  # first come, first served: a priority would be ignored, so it is refused
+        unsupported.append(f"priority {add.priority} (requests are scheduled first come, first served)")
     request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
                       sampling=sampling, client_id=client_id,
                       cache_salt=add.cache_salt,

@@ -43,7 +43,6 @@ FINISH_REASONS: dict[int, FinishReason | None] = {
 }
 
 
-INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # engine.proto's int32 fields (priority)
 
 
 def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
@@ -70,8 +69,10 @@ def unsupported_by_protocol(request: EngineCoreRequest) -> str | None:
             return "images whose placeholders are not all embeddings are not supported by ttserve yet"
     if request.lora_request is not None:
         return "LoRA adapters are not supported by ttserve yet"
-    if not INT32_MIN <= request.priority <= INT32_MAX:
-        return f"priority {request.priority} is out of range: it must lie in [{INT32_MIN}, {INT32_MAX}]"
+    if request.priority != 0:
+        # Refused, not carried and ignored: the control plane schedules first come, first served.
+        return (f"priority {request.priority}: this ttserve release schedules requests first come, "
+                "first served (vLLM's --scheduling-policy fcfs); send priority 0 or leave it out")
     unsupported = [name for name, is_set in (
         ("logprob_token_ids", sp.logprob_token_ids is not None),
         ("prompt_logprob_token_ids", sp.prompt_logprob_token_ids is not None),

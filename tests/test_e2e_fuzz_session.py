@@ -45,7 +45,7 @@ def add_messages(draw: st.DrawFn) -> engine_pb2.ClientMessage:
     add = engine_pb2.AddRequest(request_id=draw(st.text(max_size=12)),
                                 prompt_token_ids=draw(st.lists(ids, max_size=12)), sampling=sampling,
                                 eos_token_ids=draw(st.lists(SMALL_IDS, max_size=2)),
-                                cache_salt=draw(st.text(max_size=4)), priority=draw(st.integers(-2**31, 2**31 - 1)))
+                                cache_salt=draw(st.text(max_size=4)), priority=draw(st.one_of(st.just(0), st.integers(-2**31, 2**31 - 1))))
     if draw(st.integers(0, 9)) == 0:
         add.structured_output.CopyFrom(engine_pb2.StructuredOutput(json=draw(st.text(max_size=20))))
     return engine_pb2.ClientMessage(add=add)

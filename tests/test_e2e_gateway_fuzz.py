@@ -71,10 +71,11 @@ def test_responses_input_with_an_earlier_assistant_message_vllm_cannot_read_is_s
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
 ])
 def test_a_priority_beyond_the_wire_is_a_clear_400(gateway_url, route, body):
-    # Found by the fuzzer: engine.proto's priority is an int32; a larger one was a 500.
+    # Found by the fuzzer: engine.proto's priority is an int32, and a larger one was a 500. Now
+    # any priority but 0 is refused: requests are scheduled first come, first served.
     import httpx
 
     response = httpx.post(f"{gateway_url}{route}", timeout=60,
                           json={"model": "SmolLM2-135M-Instruct", "priority": 5081241299, **body})
     assert response.status_code == 400, response.text
-    assert "priority 5081241299 is out of range" in response.text
+    assert "priority 5081241299: this ttserve release schedules requests first come" in response.text

@@ -171,6 +171,7 @@ def test_stop_string_trims_output(client, model_name):
     (dict(prompt="hello " * 9000), 400, "context length"),
     (dict(model="no-such-model"), 404, "no-such-model"),
     (dict(extra_body={"prompt_logprobs": 1}), 400, "prompt_logprobs"),
+    (dict(extra_body={"priority": 1}), 400, "first come, first served"),
     (dict(logprobs=21), 400, "logprobs"),
 ])
 def test_bad_requests_get_openai_errors(client, model_name, kw, status, words):

@@ -462,6 +462,14 @@ def add_pb(**sampling) -> engine_pb2.AddRequest:
                                  sampling=engine_pb2.SamplingParams(max_tokens=4, **sampling))
 
 
+def test_a_priority_is_refused_rather_than_ignored():
+    add = add_pb()
+    add.priority = -3
+    request, unsupported = request_from_pb(add, client_id=1)
+    with pytest.raises(AdmissionError, match="priority -3 .*first come, first served"):
+        check_request(request, unsupported, Limits(max_model_len=64, vocab_size=64))
+
+
 @pytest.mark.parametrize("sampling, words", [
     (dict(logprobs=21), "between 0 and 20"),
     (dict(logprobs=-1), "between 0 and 20"),
