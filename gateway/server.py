@@ -31,6 +31,7 @@ import grpc
 
 from ttserve.gateway.control_channel import open_control_channel
 from ttserve.gateway import media_limits
+from ttserve.gateway.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from ttserve.gateway.readiness import describe_workers
 from ttserve.gateway.waiting import BACKLOG, WaitingResponder, http_ssl_context
 from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version, host_port
@@ -395,7 +396,8 @@ def remove_unserved_routes(app) -> None:
     app.openapi_schema = None  # rebuilt from the routes left
 
 
-def install_middleware(app, api_keys=None, public_metrics: bool = False) -> None:
+def install_middleware(app, api_keys=None, public_metrics: bool = False,
+                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     """The gateway's middleware outermost on vLLM's app, and two of vLLM's out: its HTTP
     instrumentation records into prometheus_client's default registry, which the gateway never
     exports, on every request and streamed chunk (RequestDurationMiddleware stands in for it);
@@ -413,6 +415,8 @@ def install_middleware(app, api_keys=None, public_metrics: bool = False) -> None
                               if m.cls not in (PrometheusInstrumentatorMiddleware, AuthenticationMiddleware)]
     app.user_middleware.insert(0, Middleware(RefusalStatusMiddleware))
     app.user_middleware.insert(0, Middleware(RequestDurationMiddleware))
+    # Inside the key check: a client without a key never gets its body read at all.
+    app.user_middleware.insert(0, Middleware(BodyLimitMiddleware, limit=max_request_bytes))
     if api_keys:
         app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, keys=api_keys, public_metrics=public_metrics))
     # build_app has already built the middleware stack (SageMaker bootstrap), so
@@ -453,7 +457,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         # ERROR; vLLM restores handler levels only, which silences every non-vLLM logger.
         logging.getLogger().setLevel(root_level)
         remove_unserved_routes(app)
-        install_middleware(app, args.api_keys, args.public_metrics)
+        install_middleware(app, args.api_keys, args.public_metrics, args.max_request_bytes)
         metrics.install(app)
         readiness.install(app, readiness.ReadinessProbe(core_client, llm.drain))
         await init_app_state(llm, app.state, vllm_args, supported_tasks)

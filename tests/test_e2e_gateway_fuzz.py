@@ -79,3 +79,46 @@ def test_a_priority_beyond_the_wire_is_a_clear_400(gateway_url, route, body):
                           json={"model": "SmolLM2-135M-Instruct", "priority": 5081241299, **body})
     assert response.status_code == 400, response.text
     assert "priority 5081241299: this ttserve release schedules requests first come" in response.text
+
+
+def _raw_post(url: str, head: bytes, body_chunks) -> bytes:
+    """POST over a bare socket (a client that lies or streams), returning the response's bytes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     + head + b"\r\n")
+        try:
+            for chunk in body_chunks:
+                sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the gateway answered and closed: what it said is still to be read
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+        return answer
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(gateway_url):
+    # Declared: 1 GiB announced, 1 byte sent; the answer comes without waiting for the rest.
+    answer = _raw_post(gateway_url, b"Content-Length: 1073741824\r\n", [b"{"])
+    assert answer.startswith(b"HTTP/1.1 413") and b"--max-request-bytes" in answer, answer[:300]
+    # Streamed: 65 MiB of chunks with no length; refused once past 64 MiB.
+    chunk = b"4000\r\n" + b" " * 0x4000 + b"\r\n"
+    answer = _raw_post(gateway_url, b"Transfer-Encoding: chunked\r\n", (chunk for _ in range(65 * 64)))
+    assert answer.startswith(b"HTTP/1.1 413") and b"passed 67108864 bytes" in answer, answer[:300]
+    assert httpx_ok(gateway_url)
+
+
+def httpx_ok(url: str) -> bool:
+    import httpx
+
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"model": "SmolLM2-135M-Instruct", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "hi"}]})
+    return reply.status_code == 200

@@ -53,6 +53,7 @@ def test_vllm_http_instrumentation_is_dropped_and_ours_is_outermost():
     from fastapi import FastAPI
     from prometheus_fastapi_instrumentator import Instrumentator
 
+    from ttserve.gateway.body_limit import BodyLimitMiddleware
     from ttserve.gateway.errors import RefusalStatusMiddleware
     from ttserve.gateway.metrics import RequestDurationMiddleware
     from ttserve.gateway.server import install_middleware
@@ -60,7 +61,8 @@ def test_vllm_http_instrumentation_is_dropped_and_ours_is_outermost():
     app = FastAPI()
     Instrumentator().instrument(app)  # as vLLM's build_app does
     install_middleware(app)
-    assert [m.cls for m in app.user_middleware] == [RequestDurationMiddleware, RefusalStatusMiddleware]
+    assert [m.cls for m in app.user_middleware] == [BodyLimitMiddleware, RequestDurationMiddleware,
+                                                    RefusalStatusMiddleware]
 
 
 def gateway_args(*argv: str):

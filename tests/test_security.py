@@ -192,3 +192,41 @@ def test_insecure_accepts_a_public_address_with_a_warning():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ---- request bodies -------------------------------------------------------------------------------
+
+def test_a_body_over_the_limit_is_refused_with_413_before_the_app_reads_it_whole():
+    from ttserve.gateway.body_limit import BodyLimitMiddleware
+
+    read: list[int] = []
+
+    async def reading_app(scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            read.append(len(body))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    app = BodyLimitMiddleware(reading_app, limit=1000)
+
+    async def post(content, headers=None) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v1/chat/completions", content=content, headers=headers)
+
+    assert asyncio.run(post(b"x" * 1000)).status_code == 200
+    declared = asyncio.run(post(b"x" * 1001))  # Content-Length says it: refused unread
+    assert declared.status_code == 413 and "1001 bytes" in declared.json()["error"]["message"]
+    read.clear()
+
+    async def chunks():  # no Content-Length: counted as it comes, refused once past the limit
+        for _ in range(100):
+            yield b"y" * 100
+
+    chunked = asyncio.run(post(chunks()))
+    assert chunked.status_code == 413 and "--max-request-bytes" in chunked.json()["error"]["message"]
+    assert max(read, default=0) <= 1000  # the app never held more than the limit
