@@ -101,6 +101,37 @@ def block_extras(images: Sequence[ImageInput], block_index: int, block_size: int
     return tuple((image.hash, image.offset - lo) for image in images if image.offset < hi and image.end > lo)
 
 
+# The image bytes one step may carry to the worker, over all its lanes: the step goes as one gRPC
+# message of at most 64 MiB (ttserve/protocol.py), which token ids and the rest of the batch share.
+# One request alone may exceed it up to its own 63 MiB bound (admission), so a step's first
+# payload always goes and later ones wait for a step of their own.
+STEP_PAYLOAD_BYTES = 48 << 20
+
+
+@dataclass(slots=True)
+class PayloadBudget:
+    """What is left of STEP_PAYLOAD_BYTES while one step is planned, shared by its lanes."""
+    used: int = 0
+    limit: int = STEP_PAYLOAD_BYTES
+
+    def fits(self, images: Sequence[ImageInput]) -> bool:
+        """These images may join the step: it carries none yet, or they stay within the limit."""
+        return not self.used or self.used + _size(images) <= self.limit
+
+    def take(self, images: Sequence[ImageInput]) -> bool:
+        """Count these images in if they fit (`fits`); False: they wait for a later step."""
+        if not self.fits(images):
+            return False
+        self.used += _size(images)
+        return True
+
+
+def _size(images: Sequence[ImageInput]) -> int:
+    # The payload is the client's MultiModalInput message; a test's stand-in without ByteSize
+    # weighs nothing.
+    return sum(i.payload.ByteSize() for i in images if hasattr(i.payload, "ByteSize"))
+
+
 def unsent(images: Sequence[ImageInput], num_sent: int, end: int) -> list[ImageInput]:
     """The images after the first `num_sent` that start before `end`: what a chunk ending at
     `end` must carry (images are sent in prompt order, once per device state)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import images
 from .phase import PhasePolicy
 from .request import Request, TokenLogprobs
 from .scheduler import Scheduler
@@ -67,7 +68,8 @@ class LaneGroup:
         has_decodes = any(lane.has_decodes() for lane in self.lanes)
         wants_prefill = any([lane.wants_prefill() for lane in self.lanes])  # all set aside
         kind = self.policy.choose(wants_prefill, has_decodes)
-        plans = [lane.plan(kind) for lane in self.lanes]
+        payload = images.PayloadBudget()  # one gRPC message for the whole group's step
+        plans = [lane.plan(kind, payload=payload) for lane in self.lanes]
         if kind is StepKind.PREFILL and not any(p.prefill for p in plans) and has_decodes:
             # Liveness: a forced prefill that merged to zero tokens (KV pressure) runs as decode
             # for the whole group, carrying the ids finished or preempted by the attempt.

@@ -118,17 +118,19 @@ class Scheduler:
     def has_decodes(self) -> bool:
         return any(not r.is_prefilling for r in self.running)
 
-    def plan(self, kind: StepKind, carry: StepPlan | None = None) -> StepPlan:
+    def plan(self, kind: StepKind, carry: StepPlan | None = None,
+             payload: images.PayloadBudget | None = None) -> StepPlan:
         """This lane's slice of a step of the given kind (EMPTY if it has none of that kind).
 
         `carry` is an earlier attempt at this step that scheduled nothing: its released ids
-        (finished and preempted requests) travel with the new plan.
+        (finished and preempted requests) travel with the new plan. `payload`: the image bytes
+        the whole step may still carry (shared by the group's lanes; a lane alone by default).
         """
         plan = StepPlan(lane=self.lane, released_ids=(carry.released_ids if carry else []) + self._released)
         self._released = []
         self._set_aside()
         if kind is StepKind.PREFILL:
-            self._fill_prefill(plan)
+            self._fill_prefill(plan, payload or images.PayloadBudget())
         elif kind is StepKind.DECODE:
             self._fill_decode(plan)
         plan.kind = StepKind.PREFILL if plan.prefill else StepKind.DECODE if plan.decode else StepKind.EMPTY
@@ -249,7 +251,7 @@ class Scheduler:
         request.num_sent_images += len(sent)
         return sent
 
-    def _fill_prefill(self, plan: StepPlan) -> None:
+    def _fill_prefill(self, plan: StepPlan, payload: images.PayloadBudget) -> None:
         budget = self.config.max_num_batched_tokens
         rows = self.config.max_prefill_batch or self.config.max_num_seqs
         preemptions, blocked = self.num_preemptions, False
@@ -257,7 +259,7 @@ class Scheduler:
             if budget <= 0 or rows <= 0:
                 return
             if request.status is RequestStatus.RUNNING and request.is_prefilling:
-                scheduled = self._continue_chunk(plan, request, budget)
+                scheduled = self._continue_chunk(plan, request, budget, payload)
                 blocked |= scheduled == 0
                 budget -= scheduled
                 rows -= scheduled > 0
@@ -275,6 +277,8 @@ class Scheduler:
             if admission is None:
                 break  # first come, first served: no overtaking the head of the queue
             hits, end, new_blocks = admission
+            if not payload.take(images.unsent(request.images, request.num_sent_images, end)):
+                break  # its images would pass the step's message: it goes first in a later step
             self.waiting.popleft()
             self._start(request, plan, hits)
             start = request.num_computed_tokens
@@ -301,7 +305,8 @@ class Scheduler:
             if self.pool.enable_caching:
                 self.pool.record_query(max(request.num_tokens - 1, 0) // self.pool.block_size, len(hits))
 
-    def _continue_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
+    def _continue_chunk(self, plan: StepPlan, request: Request, budget: int,
+                        payload: images.PayloadBudget) -> int:
         start = request.num_computed_tokens
         end = self._chunk_end(request, start, budget)
         if end is None:
@@ -309,8 +314,12 @@ class Scheduler:
         needed = self.pool.blocks_for(end) - len(request.block_ids)
         # Older requests go first: newer ones are preempted to let this chunk run, so partial
         # prefills that share a full pool cannot wait on each other forever.
+        carried = images.unsent(request.images, request.num_sent_images, end)
+        if not payload.fits(carried):
+            return 0  # a later step carries its images
         if not self._make_room(request, needed, preempt_self=False):
             return 0
+        payload.take(carried)
         new_ids = self.pool.allocate(needed)
         request.block_ids += new_ids
         plan.prefill.append(PrefillWork(request, start, end, new_ids, sample=end == request.num_tokens,

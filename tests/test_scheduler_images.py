@@ -171,3 +171,28 @@ def test_a_migrated_request_sends_its_images_to_its_new_worker():
     other.lane.adopt(r)       # ... and another worker's lane adopts it
     assert r.num_sent_images == 0
     assert run_step(other).prefill[0].images == r.images
+
+
+def test_a_step_carries_image_payloads_within_one_grpc_message():
+    """Three requests of 20 MiB of pixels each fit a prefill budget together but not one 64 MiB
+    step message: a step carries at most STEP_PAYLOAD_BYTES of them (its first always), the rest
+    go first in the next steps, in arrival order."""
+    from dataclasses import replace
+
+    from ttserve.control.images import STEP_PAYLOAD_BYTES
+    from ttserve.v1 import multimodal_pb2
+
+    s = scheduler(budget=48, max_num_seqs=4)
+    requests = [with_images(f"r{i}", [(2, 4)]) for i in range(3)]
+    for r in requests:
+        r.images[0] = replace(r.images[0], payload=multimodal_pb2.MultiModalInput(
+            modality="image", hash=r.images[0].hash, data={"pixel_values": multimodal_pb2.Tensor(
+                dtype="uint8", shape=[20 << 20], data=bytes(20 << 20))}))
+        s.add(r)
+    carried = []
+    while any(r.num_sent_images == 0 for r in requests):
+        plan = run_step(s)
+        sent = [w.request.request_id for w in plan.prefill if w.images]
+        assert sum(image.payload.ByteSize() for w in plan.prefill for image in w.images) <= STEP_PAYLOAD_BYTES
+        carried.append(sent)
+    assert carried == [["r0", "r1"], ["r2"]]
