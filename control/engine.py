@@ -291,6 +291,9 @@ class Engine:
                           f"({type(e).__name__}: {e})")
                 log.exception("%s; reconnecting", reason)
                 worker.not_ready_reason = reason
+                # Requests a step had finished before the fault are on no lane any more: their
+                # clients get their last output now, or would wait for it forever.
+                self._publish(0, [r for r in self.requests.values() if r.is_finished])
                 self._migrate(worker.release(), reason)
             finally:
                 worker.release()

@@ -140,6 +140,42 @@ def test_token_histogram_exports_cumulative_buckets_like_prometheus_client():
     assert exported["ours_seconds_sum", None] == pytest.approx(registry.get_sample_value("theirs_seconds_sum"))
 
 
+def test_requests_a_step_finished_before_a_fault_in_its_update_still_reach_their_clients():
+    from ttserve.control.engine import Engine
+    from ttserve.control.wire import WorkerDescription
+
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(workers=(WorkerSpec("w0", "w:0"),), reconnect_interval_s=3600))
+        client, queue = engine.open_session()
+        done = Request("done", [1, 2, 3], SamplingParams(max_tokens=4))
+        done.client_id = client
+        warm = WorkerDescription("w", "torch", "cpu", "/m", "X", 100, 64, [2], True, True,
+                                 single_execute_lanes=True, num_blocks_per_lane=16, block_size=4)
+        worker = engine.workers[0]
+
+        async def connect(num_workers=1):
+            worker._warm, worker._num_lanes, worker._batched = warm, 1, 64
+            return warm
+
+        async def steps():
+            engine.requests["done"] = done
+            done.finish(FinishReason.LENGTH)  # what an update did before it raised
+            raise KeyError("a fault later in the same update")
+            yield
+
+        async def close():
+            pass
+
+        worker.connect, worker.steps, worker.close = connect, steps, close
+        task = asyncio.create_task(engine.run())
+        message = await asyncio.wait_for(queue.get(), 10)
+        assert [o.request_id for o in message.outputs.outputs] == ["done"]
+        assert message.outputs.outputs[0].finish_reason and "done" not in engine.requests
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_a_fault_in_one_workers_loop_takes_only_its_link_and_its_requests_move():
     """An unexpected exception in a worker's step loop (here a KeyError from its results) is
     that worker's failure: its requests migrate to the other worker, it reconnects, and the
