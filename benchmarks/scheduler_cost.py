@@ -5,7 +5,7 @@ sampled tokens (`update` / `update_from_output`), with no model. Scenarios:
   - 1 lane, 32 running decodes + 1,000 waiting (the queue must not cost per step);
   - 1 lane, 256 running decodes.
 Reports the median of per-round medians in microseconds and the ratio ttserve / vLLM (the goal
-is at most 0.5). vLLM is driven as recorded in shared/notes/vllm-cpu.md.
+is at most 0.5). vLLM is driven as docs/vllm-cpu.md records.
 
     python benchmarks/scheduler_cost.py [--steps 300] [--rounds 5] [--quick]
 """

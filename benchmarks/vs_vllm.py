@@ -5,7 +5,7 @@ included), drives it with `vllm bench serve` (random 128-token prompts, 64 outpu
 --ignore-eos) at each concurrency, records the RSS of every process of the server, stops it,
 then does the same for the other. Rounds alternate which server goes first. Both servers get
 the same KV budget, the same dtype and the whole machine: vLLM with VLLM_CPU_OMP_THREADS_BIND
-over every core this process may use (shared/notes/vllm-cpu.md), ttserve as `ttserve up`.
+over every core this process may use (docs/vllm-cpu.md), ttserve as `ttserve up`.
 
 Prints output tok/s, TTFT p50 and TPOT p50 of both and the ratios ttserve / vLLM (tok/s: higher
 is better for ttserve; TTFT, TPOT: lower is), start-up seconds, and per-process RSS at ready and

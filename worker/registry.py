@@ -1,4 +1,4 @@
-"""Model registry: a checkpoint's declared architecture selects the model class (DESIGN.md §3).
+"""Model registry: a checkpoint's declared architecture selects the model class (docs/architecture.md, "The worker").
 
 Entries are named `TT<HFArch>` (TTLlamaForCausalLM, ...) and match the architectures a checkpoint
 declares in config.json, never its name, so one entry covers every release of a family. The first

@@ -4,7 +4,7 @@ The device path (inside the model call) expresses temperature, top-k, top-p and 
 seed. The host path runs the same `sample` with each row's `HostSampling` too: allowed token
 ids, bad words, min_tokens, logit_bias and penalties on the logits, then min_p after the
 temperature, in vLLM's order (vllm/v1/sample/sampler.py), and `gather_logprobs` for the rows
-that asked. The runner decides per batch which path a batch takes (DESIGN.md §3 "Sampling").
+that asked. The runner decides per batch which path a batch takes (docs/architecture.md, "The worker").
 
 Reproducibility rule: a request with a seed owns a `torch.Generator` that persists across its
 steps, and every sampled step draws exactly one uniform from it, whatever the other rows of the

@@ -2,7 +2,7 @@
 
 It implements tt-metal's generator contract like any other model, so the real runner, lanes,
 traces and async readback all run around it; only the device is replaced by a clock. Step times
-come from a cost table of published figures (shared/notes/tenstorrent-facts.md): a traced decode
+come from a cost table of tt-metal's published demo figures (PROFILES): a traced decode
 step replays one shape at full per-lane capacity, so it costs the same whatever rows are live;
 a prefill costs by padded length, one user after another. Tokens are a deterministic function of
 the fed token and its position, so runs are reproducible and batching-invariant.
@@ -47,7 +47,9 @@ class SimProfile:
         return -(-length // self.prefill_buckets[-1]) * self.prefill_buckets[-1]
 
 
-# Published figures (tt-metal demos, batch 32, 128 input tokens unless noted).
+# tt-metal's published demo figures (the LLM performance table of its README and the models'
+# demo READMEs; batch 32, 128 input tokens unless noted): a decode step is 1 / (tokens/s/user),
+# a prefill point is the TTFT measured at that input length.
 PROFILES = {p.name: p for p in (
     SimProfile("galaxy-llama-3.3-70b", "Llama 3.3 70B on a Wormhole Galaxy (TG), 4 lanes x 8",
                decode_step_s=1 / 72.5,

@@ -1,4 +1,4 @@
-"""Reference models in torch that speak tt-metal's generator contract (DESIGN.md §3).
+"""Reference models in torch that speak tt-metal's generator contract (docs/architecture.md, "The worker").
 
 Keyed by the checkpoint's declared architecture (config.json "architectures"), not its name.
 """
