@@ -80,10 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
 
 
+def flagged_workers(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
+    return tuple(parse_entry(entry) for entry in args.worker or ())
+
+
 def initial_workers(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
     """--worker's workers and those the --workers-file lists at start-up (which must be readable:
     a file that cannot be read at start is a configuration error, later it only keeps the set)."""
-    flagged = [parse_entry(entry) for entry in args.worker or ()]
+    flagged = list(flagged_workers(args))
     if args.workers_file:
         try:
             listed = parse_file(Path(args.workers_file))
@@ -178,7 +182,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reread.set if config.workers_file else lambda: log.info(
         "SIGHUP: nothing to reload (SIGHUP re-reads --workers-file, and none is given)"))
     follower = asyncio.create_task(follow_file(
-        Path(config.workers_file), tuple(parse_entry(e) for e in args.worker or ()), config.workers,
+        Path(config.workers_file), flagged_workers(args), config.workers,
         engine.set_workers, reread)) if config.workers_file else None
     try:
         if not await run_service(serve(engine, args.host, args.port, config.tls), (args.host, args.metrics_port),

@@ -163,10 +163,9 @@ class Engine:
                 return  # aborted or failed while compiling
             error = f.exception() if not f.cancelled() else GrammarError("grammar compilation was cancelled")
             if error is None:
-                if request in self._migrating:  # on no lane: it carries the grammar to its next one
-                    request.grammar_ready(f.result())
-                else:
-                    self.workers[request.worker].grammar_compiled(request, f.result())
+                request.grammar_ready(f.result())  # a migrating one carries it to its next lane
+                if request not in self._migrating:
+                    self.workers[request.worker].wake()
                 log.debug("request %s: %s grammar compiled in %.3f s", request.request_id, spec.kind,
                           time.monotonic() - started)
             else:

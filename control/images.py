@@ -120,9 +120,10 @@ class PayloadBudget:
 
     def take(self, images: Sequence[ImageInput]) -> bool:
         """Count these images in if they fit (`fits`); False: they wait for a later step."""
-        if not self.fits(images):
+        size = _size(images)
+        if self.used and self.used + size > self.limit:
             return False
-        self.used += _size(images)
+        self.used += size
         return True
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import logging
 
@@ -18,9 +17,6 @@ from .blocks import BlockPool
 from .request import FinishReason, Request, RequestStatus, TokenLogprobs
 from .step import DecodeWork, PrefillWork, StepKind, StepPlan
 from .stop import check_stop
-
-if TYPE_CHECKING:
-    from .grammar import Grammar
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +86,6 @@ class Scheduler:
         request.prefilled = False
         request.slot = None
         self.waiting.appendleft(request)
-
-    def grammar_compiled(self, request: Request, grammar: Grammar) -> None:
-        """`request`'s grammar is ready: it may be scheduled (it waited aside until now)."""
-        request.grammar_ready(grammar)
 
     @property
     def num_waiting(self) -> int:

@@ -7,7 +7,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 from dataclasses import dataclass, replace
 
 from .blocks import BlockPool
@@ -21,9 +20,6 @@ from .scheduler import Scheduler, SchedulerConfig
 from .step import StepKind
 from .wire import StepOutcome, WorkerDescription
 from .worker_link import WorkerError, WorkerLink
-
-if TYPE_CHECKING:
-    from .grammar import Grammar
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +165,6 @@ class WorkerGroup:
             self.lane_group.lanes[request.lane].finish(request, reason, message)
         else:
             request.finish(reason, message)
-        self.wake()
-
-    def grammar_compiled(self, request: Request, grammar: Grammar) -> None:
-        if self.lane_group is not None:
-            self.lane_group.lanes[request.lane].grammar_compiled(request, grammar)
         self.wake()
 
     def loads(self) -> list[LaneLoad]:
