@@ -7,6 +7,7 @@ import logging
 import signal
 from pathlib import Path
 
+from ttserve.exit_status import CONFIG_REFUSED
 from ttserve.tls import TlsConfigError, grpc_server_tls
 from ttserve.tls import add_arguments as add_tls_arguments
 
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         config = engine_config(args)
     except ConfigError as e:
         log.error("%s", e)
-        return 2
+        return CONFIG_REFUSED
     return asyncio.run(_serve(config, args))
 
 

@@ -31,7 +31,7 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = _content_length(scope)
+        declared = content_length(scope)
         if declared is not None and declared > self.limit:
             return await self._refuse(send, f"the request body is {declared} bytes")
         seen = 0
@@ -76,7 +76,7 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-def _content_length(scope: Scope) -> int | None:
+def content_length(scope: Scope) -> int | None:
     for name, value in scope.get("headers") or ():
         if name == b"content-length":
             try:

@@ -35,12 +35,12 @@ from ttserve.gateway.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddl
 from ttserve.gateway.readiness import describe_workers
 from ttserve.gateway.waiting import BACKLOG, WaitingResponder, http_ssl_context
 from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version, host_port
+from ttserve.exit_status import CONFIG_REFUSED
 from ttserve.tls import PLAINTEXT, Tls, handshake_hint
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ttserve.gateway")
 
-CONFIG_REFUSED = 2  # systemd's RestartPreventExitStatus=2 and `ttserve up` stop on it
 
 
 class StartupError(RuntimeError):

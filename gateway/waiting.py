@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ttserve.gateway.api_keys import ApiKeyMiddleware, ApiKeys, Receive, Scope, Send
+from ttserve.gateway.body_limit import content_length
 from ttserve.gateway.readiness import service_unavailable
 
 log = logging.getLogger("ttserve.gateway.waiting")
@@ -70,16 +71,6 @@ def _scope(head: bytes) -> Scope | None:
             headers.append((name.strip().lower().encode("latin-1"), value.strip().encode("latin-1")))
     return {"type": "http", "method": method.upper(), "path": unquote(target.split("?", 1)[0]),
             "root_path": "", "headers": headers}
-
-
-def _content_length(scope: Scope) -> int:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return max(0, int(value))
-            except ValueError:
-                return 0
-    return 0
 
 
 class WaitingResponder:
@@ -152,7 +143,7 @@ class WaitingResponder:
             if scope is None:
                 writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             else:
-                length = _content_length(scope)
+                length = max(0, content_length(scope) or 0)
                 if length <= MAX_DISCARDED_BODY:
                     await asyncio.wait_for(reader.readexactly(length), HEAD_TIMEOUT_S)
                 writer.write(await self._respond(scope))

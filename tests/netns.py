@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import random
 import shutil
@@ -47,6 +48,7 @@ NETNS_RUN_DIR = Path("/run/netns")
 NETNS_ETC_DIR = Path("/etc/netns")
 CLONE_NEWNET = 0x40000000  # <sched.h>; os.setns (and this constant) only arrived in Python 3.12
 HOST_IFACE = "eth0"
+_NETWORKS = itertools.count()
 BRIDGE = "br0"
 
 
@@ -90,9 +92,9 @@ class Network:
         assert len(hosts) <= 250, "one /24"
         self.hosts = list(hosts)
         self._names = names
-        # The pid keeps concurrent runs apart, the random tag a pid reused by a later run whose
-        # predecessor left something behind (it cannot, but a killed -9 run might).
-        self.tag = f"tt{os.getpid()}{random.randrange(16 ** 3):03x}"
+        # The pid keeps concurrent runs apart, the count Networks of one run, the random tag a pid
+        # reused by a later run whose predecessor left something behind (a killed -9 run might).
+        self.tag = f"tt{os.getpid()}{next(_NETWORKS)}{random.randrange(16 ** 2):02x}"
         self.hub = f"{self.tag}-hub"
         subnet = (random.randrange(16, 250), random.randrange(0, 256))
         self.prefix = f"10.{subnet[0]}.{subnet[1]}"

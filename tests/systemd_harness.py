@@ -187,7 +187,7 @@ def transaction(target: str, units: Mapping[str, Unit], enabled: Sequence[str]) 
     while todo:
         unit = units[todo.pop()]
         for name in unit.words("Unit", "Wants") | unit.words("Unit", "Requires"):
-            if name in units and name not in pulled and not _masked(name, enabled, units):
+            if name in units and name not in pulled and not _masked(name, enabled):
                 pulled.add(name)
                 todo.append(name)
     before = {name: set() for name in pulled}  # name -> units that must start before it
@@ -217,7 +217,7 @@ def transaction(target: str, units: Mapping[str, Unit], enabled: Sequence[str]) 
     return order
 
 
-def _masked(name: str, enabled: Sequence[str], units: Mapping[str, Unit]) -> bool:
+def _masked(name: str, enabled: Sequence[str]) -> bool:
     """The single-worker unit is masked on a host that runs template instances (deploy/README.md)."""
     return name == "ttserve-worker.service" and any(n.startswith("ttserve-worker@") for n in enabled)
 

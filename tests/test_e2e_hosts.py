@@ -7,13 +7,14 @@ uninterrupted run; healed, it is taken back. Traffic never leaves the machine.""
 from __future__ import annotations
 
 import json
+import os
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+import host_process
 from certs import CertificateAuthority
 from netns import Network, require_netns
 from stack import sample, wait_until
@@ -29,16 +30,14 @@ class Hosts:
 
     def __init__(self, net: Network, tmp: Path) -> None:
         self.net, self.tmp = net, tmp
-        self.procs: dict[str, object] = {}
         ca = CertificateAuthority(tmp / "tls", "ca")
         self.ca = ca.cert
         self.certs = {host: ca.issue(host, (net.address(host), host, "127.0.0.1")) for host in net.hosts}
 
     def start(self, host: str, module: str, *args: str) -> None:
-        log = open(self.tmp / f"{host}.log", "ab")
-        self.procs[host] = self.net.popen(host, [sys.executable, "-m", module, *args,
-                                                 *self.certs[host].flags(self.ca)],
-                                          stdout=log, stderr=log)
+        host_process.start(self.net, host, host, [sys.executable, "-m", module, *args,
+                                                  *self.certs[host].flags(self.ca)],
+                           os.environ, cwd=self.tmp, log_dir=self.tmp, privileged=True)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
@@ -78,10 +77,10 @@ def test_a_partitioned_worker_loses_nothing_and_is_taken_back_once_healed(tmp_pa
         wait_until(lambda: ready("w0", "w1"), 240, "both workers to serve")
         stop, status = tmp_path / "stop", tmp_path / "load.json"
         control = hosts.certs["control"]
-        load = net.popen("control", [sys.executable, str(LOAD), "--control", "127.0.0.1:50051",
-                                     "--stop-file", str(stop), "--report", str(status),
-                                     "--tls", str(control.cert), str(control.key), str(hosts.ca)],
-                         stdout=open(tmp_path / "load.log", "ab"), stderr=open(tmp_path / "load.log", "ab"))
+        load = host_process.start(net, "control", "load", [
+            sys.executable, str(LOAD), "--control", "127.0.0.1:50051", "--stop-file", str(stop),
+            "--report", str(status), "--tls", str(control.cert), str(control.key), str(hosts.ca)],
+            os.environ, cwd=tmp_path, log_dir=tmp_path, privileged=True).proc
         try:
             wait_until(lambda: len(report(status).get("placements", [])) == 2 and report(status)["finished"] >= 4,
                        180, "the load to run on both workers")

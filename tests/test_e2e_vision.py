@@ -143,7 +143,7 @@ def test_an_undecodable_image_is_a_clear_400(client, model_name):
 @pytest.fixture
 def image_server():
     """A loopback HTTP server with one PNG at /cat.png (and /redirect?to=URL answering 302 to
-    URL); yields (base url, the image)."""
+    URL); yields (base url, the image, the paths it was asked for)."""
     import http.server
     import threading
 
@@ -151,9 +151,11 @@ def image_server():
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG")
     body = buffer.getvalue()
+    asked: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
+            asked.append(self.path)
             if self.path.startswith("/redirect?to="):
                 self.send_response(302)
                 self.send_header("Location", self.path.split("=", 1)[1])
@@ -171,13 +173,13 @@ def image_server():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", picture
+    yield f"http://127.0.0.1:{server.server_address[1]}", picture, asked
     server.shutdown()
     server.server_close()
 
 
 def test_an_http_image_url_from_an_allowed_host_is_fetched(client, model_name, hf_tiny_vlm, image_server):
-    base, picture = image_server
+    base, picture, _ = image_server
     _, expected = oracle(hf_tiny_vlm, [picture, "What is this?"])
     content = [{"type": "image_url", "image_url": {"url": f"{base}/cat.png"}}, {"type": "text", "text": "What is this?"}]
     reply = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
@@ -252,14 +254,15 @@ def test_a_redirect_from_an_allowed_host_is_not_followed(client, model_name, ima
 
     target = http.server.ThreadingHTTPServer(("127.0.0.2", 0), Target)
     threading.Thread(target=target.serve_forever, daemon=True).start()
-    base, _ = image_server
+    base, _, asked = image_server
     url = f"{base}/redirect?to=http://127.0.0.2:{target.server_address[1]}/metadata"
     try:
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
                                            max_tokens=4)
-        assert reached == []
+        # The allowed host was asked (its URL passed every check) and answered 302; nothing followed.
+        assert any(path.startswith("/redirect?to=") for path in asked) and reached == []
     finally:
         target.shutdown()
         target.server_close()

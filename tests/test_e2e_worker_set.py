@@ -129,7 +129,7 @@ def test_a_new_control_plane_takes_over_a_worker_whose_control_plane_vanished(tm
         old, old_address = control()
         wait_until(lambda: control_ready(old_address), 180, "the first control plane to serve")
         old.proc.send_signal(signal.SIGSTOP)
-        new, new_address = control()
+        _, new_address = control()
         started = time.monotonic()
         wait_until(lambda: control_ready(new_address), 120, "the new control plane to take the worker over")
         # Within the worker's keepalive window (ping every 20 s, 10 s to answer) plus a reconnect.

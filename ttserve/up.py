@@ -34,13 +34,13 @@ import time
 import urllib.error
 import urllib.request
 
+from ttserve.exit_status import CONFIG_REFUSED
 from ttserve.protocol import host_port
 
 log = logging.getLogger("ttserve.up")
 
 # Start order; shutdown runs in reverse so no service outlives the one it depends on.
 SERVICES = ("worker", "control", "gateway")
-CONFIG_REFUSED = 2                     # every service's exit status for flags it refuses
 RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30)
 STABLE_S = 60.0                        # a service up this long starts its backoff over
 # Beyond the control plane's --warmup-timeout, up's default --ready-timeout: the worker's own start

@@ -8,6 +8,7 @@ import os
 import sys
 
 from ttserve.tls import Tls, TlsConfigError, grpc_server_tls
+from ttserve.exit_status import CONFIG_REFUSED
 from ttserve.tls import add_arguments as add_tls_arguments
 
 from .dtype import DTYPE_CHOICES, resolve_dtype
@@ -33,7 +34,6 @@ class ConfigRefused(RuntimeError):
     """The worker cannot start as configured; one line says why."""
 
 
-CONFIG_REFUSED = 2  # the exit status of a ConfigRefused
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
