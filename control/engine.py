@@ -18,7 +18,7 @@ from .engine_config import EngineConfig, ServingLimits
 from .placement import choose_lane
 from .request import FinishReason, Request
 from .wire import WorkerDescription, admission_pb, mm_inputs_problem, output_to_pb, request_from_pb
-from .worker_group import IncompatibleWorker, WorkerDraining, WorkerGroup, WorkerLost
+from .worker_group import IncompatibleWorker, StepFailure, WorkerDraining, WorkerGroup, WorkerLost
 from .worker_link import WorkerError
 from .worker_set import WorkerSpec
 
@@ -66,6 +66,8 @@ class Engine:
             self.metrics.refused.labels(reason)  # exported as 0 from the start
         for outcome in ("requeued", "handed_off", "failed_limit", "failed_timeout"):
             self.metrics.migrations.labels(outcome)  # exported as 0 from the start
+        for outcome in ("isolated", "failed"):
+            self.metrics.isolations.labels(outcome)
 
     @property
     def ready(self) -> bool:
@@ -268,7 +270,10 @@ class Engine:
                 worker.start(self._check_limits(warm, warm.num_blocks_per_lane * warm.block_size).max_model_len)
                 self._place_migrating()
                 async for stepped in worker.steps():
-                    self._publish(stepped.step_id, stepped.changed)
+                    if isinstance(stepped, StepFailure):
+                        self._isolate(stepped)
+                    else:
+                        self._publish(stepped.step_id, stepped.changed)
             except WorkerDraining as e:
                 worker.not_ready_reason = str(e)
                 log.warning("%s; %d request(s) move to the other workers", e, len(e.requests))
@@ -401,6 +406,26 @@ class Engine:
             error)
 
     # ---- migration -------------------------------------------------------------------------
+    def _isolate(self, failure: StepFailure) -> None:
+        """A step failed inside the model. The worker is sound and serves on, and the fault may be
+        one request's (inputs that make the model raise), so nobody spends --migration-limit: the
+        failed step's requests run isolated, each in steps of its own, and one that fails a step
+        alone after an earlier failure is failed with the model's error. Every other request the
+        worker held is placed again (as a drain hands off) and recomputes: its client sees the
+        tokens of an uninterrupted run."""
+        failed = [r for r in failure.failed if self.requests.get(r.request_id) is r]
+        culprits = [r for r in failed if r.step_failed(alone=len(failed) == 1)]
+        log.error("%s; %d request(s) of the step run isolated, %d failed alone", failure.reason,
+                  len(failed) - len(culprits), len(culprits))
+        for request in culprits:
+            request.finish(FinishReason.ERROR, f"the model failed on this request: {request.num_failed_steps} "
+                           f"steps that carried it failed, the last with it alone ({failure.error}); "
+                           "it is not retried")
+        self.metrics.isolations.labels("failed").inc(len(culprits))
+        self.metrics.isolations.labels("isolated").inc(len(failed) - len(culprits))
+        self._migrate([r for r in failure.requests if r not in culprits], failure.reason, handed_off=True)
+        self._publish(0, culprits)
+
     def _migrate(self, lost: list[Request], reason: str, handed_off: bool = False) -> None:
         """Requests of a lost worker move to a lane of a ready worker (or of this one once it is
         back), where they recompute from prompt + the tokens they have: the client sees a pause,

@@ -68,22 +68,45 @@ class LaneGroup:
         has_decodes = any(lane.has_decodes() for lane in self.lanes)
         wants_prefill = any([lane.wants_prefill() for lane in self.lanes])  # all set aside
         kind = self.policy.choose(wants_prefill, has_decodes)
-        payload = images.PayloadBudget()  # one gRPC message for the whole group's step
-        plans = [lane.plan(kind, payload=payload) for lane in self.lanes]
+        plans = self._plan_lanes(kind)
         if kind is StepKind.PREFILL and not any(p.prefill for p in plans) and has_decodes:
             # Liveness: a forced prefill that merged to zero tokens (KV pressure) runs as decode
             # for the whole group, carrying the ids finished or preempted by the attempt.
-            plans = [lane.plan(StepKind.DECODE, carry=p) for lane, p in zip(self.lanes, plans)]
+            plans = self._plan_lanes(StepKind.DECODE, plans)
             kind = StepKind.DECODE
         if not any(p.prefill or p.decode for p in plans):
             kind = StepKind.EMPTY
         self.policy.record(kind, has_decodes)
         return GroupPlan(kind, plans)
 
+    def _plan_lanes(self, kind: StepKind, carry: list[StepPlan] | None = None) -> list[StepPlan]:
+        """Every lane's slice of one step. A request that runs isolated (a step that carried it
+        failed) is the step's only row: its lane plans first and, when its slice carries it, the
+        other lanes plan nothing; otherwise every lane plans without its isolated requests.
+        Isolated decoders take turns, fewest outputs first."""
+        payload = images.PayloadBudget()  # one gRPC message for the whole group's step
+        carry = carry or [None] * len(self.lanes)
+        picks = [(i, r) for i, lane in enumerate(self.lanes) if (r := lane.isolated_candidate(kind)) is not None]
+        if not picks:
+            return [lane.plan(kind, c, payload) for lane, c in zip(self.lanes, carry)]
+        if kind is StepKind.DECODE:
+            picks.sort(key=lambda p: len(p[1].output_token_ids))
+        plans: dict[int, StepPlan] = {}
+        ran = False
+        for i, alone in picks:
+            # A pick that cannot run now (KV) leaves its lane's slice to the others' rows, or,
+            # with none, lets the next pick try.
+            plans[i] = plan = self.lanes[i].plan(kind, carry[i], payload, alone)
+            ran = any(w.request is alone for w in (*plan.prefill, *plan.decode))
+            if ran or plan.prefill or plan.decode:
+                break
+        return [plans[i] if i in plans else lane.plan(StepKind.EMPTY if ran else kind, c, payload)
+                for i, (lane, c) in enumerate(zip(self.lanes, carry))]
+
     def followup(self, previous: GroupPlan) -> GroupPlan | None:
         """The next decode step of an unchanged group, before `previous` returns (async
         decode); None when any lane needs the pipeline drained."""
-        if previous.kind is not StepKind.DECODE:
+        if previous.kind is not StepKind.DECODE or any(r.isolated for lane in self.lanes for r in lane.running):
             return None
         dry = [lane.followup(p, commit=False) for lane, p in zip(self.lanes, previous.lanes)]
         if any(p is None for p in dry) or not any(p.decode for p in dry):

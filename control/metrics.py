@@ -110,12 +110,20 @@ class ControlMetrics:
                               ["worker", "reason"], registry=r)
         self.migrations = Counter("ttserve_request_migrations",
                                   "Requests of a lost worker, by outcome: requeued (on another lane, or "
-                                  "the worker once back), handed_off (off a worker that drained or was "
-                                  "removed), failed_limit (--migration-limit reached), "
+                                  "the worker once back), handed_off (off a worker that drained, was "
+                                  "removed or failed a step inside the model), failed_limit (--migration-limit reached), "
                                   "failed_timeout (no worker ready within --migration-timeout).",
                                   ["outcome"], registry=r)
         self.stalls = Counter("ttserve_worker_stalls", "Times a worker was found stalled.",
                               ["worker"], registry=r)
+        self.step_failures = Counter("ttserve_step_failures",
+                                     "Steps that failed inside the model (the worker reported an error).",
+                                     ["worker"], registry=r)
+        self.isolations = Counter("ttserve_request_isolations",
+                                  "Requests of a failed step, by outcome: isolated (it runs in steps of "
+                                  "its own until one succeeds), failed (it failed a step alone after an "
+                                  "earlier failure: the request itself makes the model fail).",
+                                  ["outcome"], registry=r)
 
     def watch(self, engine: Engine) -> None:
         """Export the engine's live state (queues, KV, workers) at scrape time."""

@@ -12,6 +12,10 @@ from .prefix_hash import chain_hashes
 
 __all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams", "TokenLogprobs"]
 
+# Failed steps after which a request that fails a step alone is failed (the first failure
+# may have been a batch-mate's; a second, alone, is its own).
+POISON_FAILURES = 2
+
 if TYPE_CHECKING:
     from .grammar import Grammar, GrammarSpec
 
@@ -101,6 +105,11 @@ class Request:
     num_sent_images: int = 0
     num_preemptions: int = 0
     num_migrations: int = 0              # times it moved off a lost worker
+    # Steps that failed inside the model while carrying it (StepResult.error), and whether it
+    # runs isolated: in steps of its own, so that a request whose inputs make the model raise
+    # fails alone instead of taking its batch-mates with it (see step_failed).
+    num_failed_steps: int = 0
+    isolated: bool = False
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     error: str = ""
@@ -150,6 +159,20 @@ class Request:
     def grammar_ready(self, grammar: Grammar) -> None:
         """Its grammar compiled: it may be scheduled (it waited aside until now)."""
         self.grammar, self.ready = grammar, True
+
+    def step_failed(self, alone: bool) -> bool:
+        """A step that carried it failed in the model. It runs isolated from now on; True when it
+        has failed a step alone after an earlier failure: it is the culprit, not a batch-mate."""
+        self.num_failed_steps += 1
+        self.isolated = True
+        return alone and self.num_failed_steps >= POISON_FAILURES
+
+    def step_succeeded(self) -> None:
+        """A decode step of its own succeeded: after one failure it rejoins batches (it was a
+        batch-mate of the culprit); after two it stays isolated to its end (a fault at a later
+        position would otherwise take its batch again and again)."""
+        if self.num_failed_steps < POISON_FAILURES:
+            self.isolated = False
 
     def finish(self, reason: FinishReason, error: str = "") -> None:
         """Mark it finished; whoever held its slot and blocks has given them back."""

@@ -110,21 +110,38 @@ class Scheduler:
     def has_decodes(self) -> bool:
         return any(not r.is_prefilling for r in self.running)
 
+    def isolated_candidate(self, kind: StepKind) -> Request | None:
+        """The isolated request (Request.isolated: a step that carried it failed) a step of
+        `kind` would run on this lane: a partial prefill or the head of the queue, or the
+        isolated decoder with the fewest outputs (so that several take turns)."""
+        if kind is StepKind.PREFILL:
+            partial = next((r for r in self.running if r.is_prefilling and r.isolated), None)
+            if partial is not None:
+                return partial
+            self._set_aside()
+            return self.waiting[0] if self.waiting and self.waiting[0].isolated else None
+        if kind is StepKind.DECODE:
+            return min((r for r in self.running if r.isolated and not r.is_prefilling),
+                       key=lambda r: len(r.output_token_ids), default=None)
+        return None
+
     def plan(self, kind: StepKind, carry: StepPlan | None = None,
-             payload: images.PayloadBudget | None = None) -> StepPlan:
+             payload: images.PayloadBudget | None = None, alone: Request | None = None) -> StepPlan:
         """This lane's slice of a step of the given kind (EMPTY if it has none of that kind).
 
         `carry` is an earlier attempt at this step that scheduled nothing: its released ids
         (finished and preempted requests) travel with the new plan. `payload`: the image bytes
         the whole step may still carry (shared by the group's lanes; a lane alone by default).
+        Isolated requests run only as `alone` (isolated_candidate), which then is the slice's
+        only row; when it cannot run now the slice is planned without it.
         """
         plan = StepPlan(lane=self.lane, released_ids=(carry.released_ids if carry else []) + self._released)
         self._released = []
         self._set_aside()
         if kind is StepKind.PREFILL:
-            self._fill_prefill(plan, payload or images.PayloadBudget())
+            self._fill_prefill(plan, payload or images.PayloadBudget(), alone)
         elif kind is StepKind.DECODE:
-            self._fill_decode(plan)
+            self._fill_decode(plan, alone)
         plan.kind = StepKind.PREFILL if plan.prefill else StepKind.DECODE if plan.decode else StepKind.EMPTY
         self._mask(plan)
         # A request preempted while planning leaves its id in _released.
@@ -243,14 +260,16 @@ class Scheduler:
         request.num_sent_images += len(sent)
         return sent
 
-    def _fill_prefill(self, plan: StepPlan, payload: images.PayloadBudget) -> None:
+    def _fill_prefill(self, plan: StepPlan, payload: images.PayloadBudget, alone: Request | None) -> None:
         budget = self.config.max_num_batched_tokens
+        if alone is not None and self._prefill_alone(plan, alone, budget, payload):
+            return
         rows = self.config.max_prefill_batch or self.config.max_num_seqs
         preemptions, blocked = self.num_preemptions, False
         for request in list(self.running):  # partial prefills first: they hold blocks already
             if budget <= 0 or rows <= 0:
                 return
-            if request.status is RequestStatus.RUNNING and request.is_prefilling:
+            if request.status is RequestStatus.RUNNING and request.is_prefilling and not request.isolated:
                 scheduled = self._continue_chunk(plan, request, budget, payload)
                 blocked |= scheduled == 0
                 budget -= scheduled
@@ -265,22 +284,41 @@ class Scheduler:
             if not request.ready:
                 self.skipped.append(self.waiting.popleft())
                 continue
-            admission = self._admission(request, budget)
-            if admission is None:
+            if request.isolated:
+                break  # it runs in a step of its own: no overtaking it
+            admitted = self._admit(plan, request, budget, payload)
+            if admitted == 0:
                 break  # first come, first served: no overtaking the head of the queue
-            hits, end, new_blocks = admission
-            if not payload.take(images.unsent(request.images, request.num_sent_images, end)):
-                break  # its images would pass the step's message: it goes first in a later step
-            self.waiting.popleft()
-            self._start(request, plan, hits)
-            start = request.num_computed_tokens
-            new_ids = self.pool.allocate(new_blocks)
-            request.block_ids += new_ids
-            plan.prefill.append(PrefillWork(request, start, end, hits + new_ids,
-                                            sample=end == request.num_tokens,
-                                            images=self._images_for(request, end)))
-            budget -= end - start
+            budget -= admitted
             rows -= 1
+
+    def _prefill_alone(self, plan: StepPlan, request: Request, budget: int,
+                       payload: images.PayloadBudget) -> bool:
+        """Plan the isolated `request`'s next prefill chunk as the slice's only row, if it can run."""
+        if request.status is RequestStatus.RUNNING:
+            return self._continue_chunk(plan, request, budget, payload) > 0
+        if not (self.waiting and self.waiting[0] is request and self._free_slots):
+            return False
+        return self._admit(plan, request, budget, payload) > 0
+
+    def _admit(self, plan: StepPlan, request: Request, budget: int, payload: images.PayloadBudget) -> int:
+        """Start the head of the queue with its first chunk within `budget`; the chunk's tokens,
+        or 0 when it cannot start now (KV, or its images would pass the step's message)."""
+        admission = self._admission(request, budget)
+        if admission is None:
+            return 0
+        hits, end, new_blocks = admission
+        if not payload.take(images.unsent(request.images, request.num_sent_images, end)):
+            return 0  # its images would pass the step's message: it goes first in a later step
+        self.waiting.popleft()
+        self._start(request, plan, hits)
+        start = request.num_computed_tokens
+        new_ids = self.pool.allocate(new_blocks)
+        request.block_ids += new_ids
+        plan.prefill.append(PrefillWork(request, start, end, hits + new_ids,
+                                        sample=end == request.num_tokens,
+                                        images=self._images_for(request, end)))
+        return end - start
 
     def _start(self, request: Request, plan: StepPlan, hits: list[int]) -> None:
         """Move an admitted request to running with its prefix-cache hits in place."""
@@ -334,8 +372,20 @@ class Scheduler:
                 return False
         return True
 
-    def _fill_decode(self, plan: StepPlan) -> None:
-        for request in list(self.running):
+    def _fill_decode(self, plan: StepPlan, alone: Request | None) -> None:
+        if alone is not None:
+            # Isolated decoders take turns (fewest outputs first); one that cannot run now (it
+            # preempted itself for KV) lets the next try.
+            turns = sorted((r for r in self.running if r.isolated and r is not alone and not r.is_prefilling),
+                           key=lambda r: len(r.output_token_ids))
+            for request in (alone, *turns):
+                self._decode(plan, [request])
+                if plan.decode:
+                    return
+        self._decode(plan, [r for r in self.running if not r.isolated])
+
+    def _decode(self, plan: StepPlan, requests: list[Request]) -> None:
+        for request in requests:
             if request.status is not RequestStatus.RUNNING or request.is_prefilling:
                 continue
             needed = self.pool.blocks_for(request.num_tokens) - len(request.block_ids)
@@ -403,6 +453,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens = work.position + 1
             self._publish_blocks(request)
+            if request.isolated:
+                request.step_succeeded()
             self._append(request, sampled[request.request_id], logprobs, changed)
         return changed
 

@@ -19,7 +19,7 @@ from .request import FinishReason, Request
 from .scheduler import Scheduler, SchedulerConfig
 from .step import StepKind
 from .wire import StepOutcome, WorkerDescription
-from .worker_link import WorkerError, WorkerLink
+from .worker_link import StepFailed, WorkerError, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,18 @@ class Stepped:
 
 
 @dataclass(slots=True)
+class StepFailure:
+    """A step failed inside the model, on its way up to the engine. The worker dropped its device
+    state and serves on; the lane group has started anew. `requests`: every request it held (to
+    place again); `failed`: those the failed step, or a step in flight with it, carried;
+    `error`: the model's exception as the worker gave it (no address: it reaches clients)."""
+    reason: str
+    error: str
+    requests: list[Request]
+    failed: list[Request]
+
+
+@dataclass(slots=True)
 class LaneLoad:
     """A lane's queues and KV blocks, as metrics and server info report them."""
     lane: int
@@ -107,6 +119,7 @@ class WorkerGroup:
         self._wake = asyncio.Event()
         self._link: WorkerLink | None = None
         self._warm: WorkerDescription | None = None
+        self._max_model_len = 0
         self._batched = self._num_lanes = 0  # as warmed up
 
     @property
@@ -229,18 +242,22 @@ class WorkerGroup:
             log.warning("--async-scheduling: the worker at %s cannot pipeline decode steps (%s does "
                         "not support async decode, or decode samples on the host); turned off",
                         warm.address, warm.architecture)
+        self._max_model_len = max_model_len
         self.lane_group = self._build_group(warm, self._num_lanes, max_model_len, self._batched)
 
     def release(self) -> list[Request]:
         """Tear the lane group down (the link too); returns the requests it held."""
-        held = [r for lane in self.lane_group.lanes for r in (*lane.running, *lane.waiting, *lane.skipped)] \
-            if self.lane_group is not None else []
+        held = self._held(self.lane_group) if self.lane_group is not None else []
         if self.lane_group is not None:
             self._retired.add(self.lane_group)
         self.lane_group = self._warm = None
         self.connected = False
         self.warmup_progress = 0.0
         return held  # a stall outlives the link: it ends when the worker warms up again (connect)
+
+    @staticmethod
+    def _held(group: LaneGroup) -> list[Request]:
+        return [r for lane in group.lanes for r in (*lane.running, *lane.waiting, *lane.skipped)]
 
     async def close(self) -> None:
         if self._link is not None:
@@ -330,7 +347,13 @@ class WorkerGroup:
                         reason = "worker_draining" if link.drain_notice.is_set() else self._drain_reason(group)
                         self.metrics.drains.labels(self.name, reason).inc()
                     await self._send(link, follow, follow is not None, in_flight)
-                outcome = await self._receive(link)
+                try:
+                    outcome = await self._receive(link)
+                except StepFailed as e:
+                    yield await self._step_failed(link, e, in_flight)
+                    group = self.lane_group
+                    assert group is not None
+                    continue
                 plan, _, sent = in_flight.popleft()
                 if plan is not None:
                     self.num_steps += 1
@@ -346,6 +369,28 @@ class WorkerGroup:
         finally:
             ended.cancel()
         raise WorkerDraining(f"worker {self.name} at {self.address} is shutting down", self.release())
+
+    async def _step_failed(self, link: WorkerLink, failure: StepFailed,
+                           in_flight: deque[tuple[GroupPlan | None, bool, float]]) -> StepFailure:
+        """The worker dropped its device state after `failure`: the results of the other steps
+        in flight are taken and not applied, and the lane group starts anew on the same stream."""
+        # With a pipelined decode the fault may surface in the next step's launch: every step in
+        # flight is suspect.
+        failed = {id(w.request): w.request for plan, _, _ in in_flight if plan is not None
+                  for w in (*plan.prefill, *plan.decode)}
+        in_flight.popleft()
+        while in_flight:
+            in_flight.popleft()
+            try:
+                await self._receive(link)
+            except StepFailed:
+                pass
+        self.metrics.step_failures.labels(self.name).inc()
+        assert self.lane_group is not None and self.description is not None
+        held = self._held(self.lane_group)
+        self._retired.add(self.lane_group)
+        self.lane_group = self._build_group(self.description, self._num_lanes, self._max_model_len, self._batched)
+        return StepFailure(str(failure), failure.error, held, list(failed.values()))
 
     async def _send(self, link: WorkerLink, plan: GroupPlan | None, pipelined: bool,
                     in_flight: deque[tuple[GroupPlan | None, bool, float]]) -> None:

@@ -32,6 +32,15 @@ class WorkerError(RuntimeError):
     """The worker failed or went away; the message names it and says why."""
 
 
+class StepFailed(WorkerError):
+    """The worker reported that a step failed inside the model (StepResult.error). It dropped its
+    device state and the stream goes on. `error`: the model's exception, as the worker gave it."""
+
+    def __init__(self, message: str, error: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
 class WorkerLink:
     def __init__(self, address: str, tls: Tls = PLAINTEXT) -> None:
         self.address = address
@@ -143,8 +152,7 @@ class WorkerLink:
             self._stream = None
             raise result
         if result.error:
-            self._stream = None
-            raise WorkerError(f"worker at {self.address} failed step {result.step_id}: {result.error}")
+            raise StepFailed(f"worker at {self.address} failed step {result.step_id}: {result.error}", result.error)
         return step_result_from_pb(result)
 
     async def close(self) -> None:

@@ -70,6 +70,10 @@ class ControlClient:
             sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, **sampling),
             structured_output=structured_output)))
 
+    def add_request(self, add: engine_pb2.AddRequest) -> None:
+        """Send an AddRequest as built by the caller (images, cache salt, any field)."""
+        self._outgoing.put(engine_pb2.ClientMessage(add=add))
+
     def abort(self, *request_ids: str) -> None:
         self._outgoing.put(engine_pb2.ClientMessage(abort=engine_pb2.AbortRequests(request_ids=request_ids)))
 

@@ -15,7 +15,9 @@ import grpc
 # 3: images (AddRequest.mm_inputs, PrefillChunk.mm_inputs): a version-2 peer would drop them.
 # 4: the step stream's accept (initial metadata once the worker holds it) and drain notice: a
 #    version-3 control plane would place requests on a worker that has not taken its stream.
-PROTOCOL_VERSION = 4
+# 5: a failed step (StepResult.error) no longer ends the step stream: the worker drops its device
+#    state and serves on; a version-4 control plane would apply later steps' refusals as faults.
+PROTOCOL_VERSION = 5
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
 # Every ttserve server and channel: a step's outputs or a long prompt can exceed gRPC's 4 MiB.

@@ -223,10 +223,14 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 try:
                     # The runner holds a pipelined decode until the next batch is launched.
                     results = await self._on_device(self.runner.step, batch, received)
-                except Exception as e:  # the stream ends; the control plane fails these requests
-                    log.exception("step %d failed", pb.step_id)
+                except Exception as e:  # noqa: BLE001 - one step's fault, not the stream's
+                    # The step's inputs may be what failed (one request's), not the device: the
+                    # device state is dropped as at a new stream and the stream goes on; the
+                    # control plane recomputes its requests and isolates the failed step's.
+                    log.exception("step %d failed; dropping all device state and serving on", pb.step_id)
+                    await self._on_device(self.runner.reset)
                     yield device_pb2.StepResult(step_id=pb.step_id, error=f"{type(e).__name__}: {e}")
-                    return
+                    continue
                 for result in results:
                     self.metrics.step(result.kind, result)
                     yield result_to_pb(result)
