@@ -13,6 +13,7 @@ from ttserve.tls import add_arguments as add_tls_arguments
 
 from .engine import Engine
 from .engine_config import EngineConfig
+from .queue_bounds import DEFAULT_MAX_HELD_BYTES, DEFAULT_TENANT_SHARE, QueueBounds
 from .worker_set import WorkerSetError, WorkerSpec, combine, follow_file, parse_entry, parse_file
 
 log = logging.getLogger("ttserve.control")
@@ -56,7 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model's tokenizer.json (or its folder), read to enforce structured "
                         "outputs; default: the folder of the model the first worker serves")
     g.add_argument("--metrics-port", type=int, default=9401,
-                   help="HTTP port of /metrics, /health and /ready on --host (0: none)")
+                   help="HTTP port of /metrics, /health and /ready on --metrics-host (0: none)")
+    g.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDRESS",
+                   help="address of the --metrics-port server, which takes no key: loopback by "
+                        "default, whatever --host is; 0.0.0.0 where Prometheus or a health probe "
+                        "reaches it from another host or container (keep it off public networks)")
     g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
@@ -70,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="requests waiting (over all lanes and workers) beyond which new ones are refused "
                         "with RESOURCE_EXHAUSTED (HTTP 503 with Retry-After): bounds memory and queueing "
                         "time under a burst")
+    g.add_argument("--max-held-bytes", type=int, default=DEFAULT_MAX_HELD_BYTES, metavar="BYTES",
+                   help="bytes of prompts and images the live requests may hold here (each counted at "
+                        "its request's wire size) beyond which new ones are refused like an overload "
+                        "(default 4 GiB)")
+    g.add_argument("--tenant-queue-share", type=float, default=DEFAULT_TENANT_SHARE, metavar="FRACTION",
+                   help="of --max-num-queued-reqs and of --max-held-bytes, what one tenant (the gateway's "
+                        "name for an API key) may take; its requests past it are refused (HTTP 503 with "
+                        "Retry-After) while other tenants are still admitted; 1: no per-tenant bound")
     g.add_argument("--migration-limit", type=int, default=3, metavar="N",
                    help="when a worker is lost, its requests move to another ready worker (or to it "
                         "once it is back) and recompute from prompt + the tokens they have, at most N "
@@ -127,6 +140,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--metrics-port must be a port number (0: none), got {args.metrics_port}")
     if args.max_num_queued_reqs < 1:
         raise ConfigError(f"--max-num-queued-reqs must be a positive count, got {args.max_num_queued_reqs}")
+    if args.max_held_bytes < 1:
+        raise ConfigError(f"--max-held-bytes must be a positive number of bytes, got {args.max_held_bytes}")
+    if not 0 < args.tenant_queue_share <= 1:  # NaN fails it too
+        raise ConfigError(f"--tenant-queue-share must be a fraction in (0, 1], got {args.tenant_queue_share}")
     if args.migration_limit < 0 or args.migration_timeout <= 0:
         raise ConfigError(f"--migration-limit must be 0 or more and --migration-timeout positive seconds, got "
                           f"{args.migration_limit} and {args.migration_timeout}")
@@ -146,7 +163,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_consecutive_prefills=args.max_consecutive_prefill_steps,
                         tokenizer=args.tokenizer, stall_timeout_s=args.stall_timeout,
                         warmup_timeout_s=args.warmup_timeout,
-                        max_num_queued_reqs=args.max_num_queued_reqs,
+                        queue=QueueBounds(args.max_num_queued_reqs, args.max_held_bytes, args.tenant_queue_share),
                         migration_limit=args.migration_limit, migration_timeout_s=args.migration_timeout)
 
 
@@ -186,7 +203,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
         Path(config.workers_file), flagged_workers(args), config.workers,
         engine.set_workers, reread)) if config.workers_file else None
     try:
-        if not await run_service(serve(engine, args.host, args.port, config.tls), (args.host, args.metrics_port),
+        if not await run_service(serve(engine, args.host, args.port, config.tls), (args.metrics_host, args.metrics_port),
                                  endpoints, "control plane", drain, engine.fatal):
             return 1
     finally:

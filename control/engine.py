@@ -18,6 +18,8 @@ from .engine_config import EngineConfig, ServingLimits
 from .placement import choose_lane
 from .request import FinishReason, Request
 from .wire import WorkerDescription, admission_pb, mm_inputs_problem, output_to_pb, request_from_pb
+from .client_text import for_client
+from .queue_bounds import refusal
 from .worker_group import IncompatibleWorker, StepFailure, WorkerDraining, WorkerGroup, WorkerLost
 from .worker_link import WorkerError
 from .worker_set import WorkerSpec
@@ -122,14 +124,12 @@ class Engine:
         if not ready or limits is None:
             self.metrics.refused.labels("unavailable").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_UNAVAILABLE,
-                                          f"no worker is ready ({self.not_ready_reason})"))
+                                          self._for_client(f"no worker is ready ({self.not_ready_reason})")))
             return
-        queued = len(self._migrating) + sum(load.waiting for w in self.workers.values() for load in w.loads())
-        if queued >= self.config.max_num_queued_reqs:
+        overloaded = refusal(self.config.queue, self.requests.values(), add.tenant, add.ByteSize())
+        if overloaded:
             self.metrics.refused.labels("overloaded").inc()
-            queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_OVERLOADED,
-                                          f"{queued} requests are already waiting (--max-num-queued-reqs "
-                                          f"{self.config.max_num_queued_reqs}); retry later"))
+            queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_OVERLOADED, overloaded))
             return
         request, unsupported = request_from_pb(add, client_id)
         request.received_time = time.monotonic()
@@ -377,7 +377,10 @@ class Engine:
             new = request.record_tokens(mono)
             if new:
                 self.metrics.progressed(request, new, self.worker_names[request.worker])
-            by_client.setdefault(request.client_id, []).append(output_to_pb(request))
+            out = output_to_pb(request)
+            if out.error:
+                out.error = self._for_client(out.error)
+            by_client.setdefault(request.client_id, []).append(out)
             request.mark_sent()
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
@@ -388,6 +391,10 @@ class Engine:
             if queue is not None:
                 queue.put_nowait(engine_pb2.ServerMessage(outputs=engine_pb2.StepOutputs(
                     step_id=step_id, timestamp=now, outputs=outputs)))
+
+    def _for_client(self, text: str) -> str:
+        """A reason as a client may read it: workers by name, no addresses (client_text.py)."""
+        return for_client(text, {w.address: w.name for w in self.workers.values()})
 
     def _finished(self, request: Request, now: float) -> None:
         self.metrics.finished(request, now)

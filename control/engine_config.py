@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ttserve.tls import PLAINTEXT, Tls
 
+from .queue_bounds import QueueBounds
 from .worker_set import WorkerSpec
 
 
@@ -24,7 +25,7 @@ class EngineConfig:
     tokenizer: str = ""               # for grammars; "" = the first worker's model folder
     stall_timeout_s: float = 60.0     # a step in flight this long without a result: stalled, lost
     warmup_timeout_s: float = 1800.0  # one Warmup call, end to end
-    max_num_queued_reqs: int = 1024   # waiting requests (all lanes) beyond which arrivals are refused
+    queue: QueueBounds = QueueBounds()  # what waiting and held requests may take (queue_bounds.py)
     migration_limit: int = 3          # times a request may move off a lost worker
     migration_timeout_s: float = 120.0  # how long a migrating request may wait for a ready worker
     tls: Tls = PLAINTEXT              # served to clients and presented to workers (ttserve/tls.py)

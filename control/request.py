@@ -72,6 +72,10 @@ class Request:
     sampling: SamplingParams
     client_id: int = 0
     cache_salt: str = ""
+    # The gateway's name for the API key that sent it ("" without keys), and the bytes it holds
+    # here until it finishes (its AddRequest's wire size: prompt and images): queue_bounds.py.
+    tenant: str = ""
+    held_bytes: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     # Invariant: KV of all_token_ids[:num_computed_tokens] is in the blocks of block_ids.

@@ -38,7 +38,7 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
         unsupported.append(f"priority {add.priority} (requests are scheduled first come, first served)")
     request = Request(request_id=add.request_id, prompt_token_ids=list(add.prompt_token_ids),
                       sampling=sampling, client_id=client_id,
-                      cache_salt=add.cache_salt,
+                      cache_salt=add.cache_salt, tenant=add.tenant, held_bytes=add.ByteSize(),
                       grammar_spec=_grammar_spec(add),
                       images=[ImageInput(m.hash, m.offset, m.length, m) for m in add.mm_inputs])
     if any(m.modality != "image" for m in add.mm_inputs):

@@ -17,6 +17,9 @@ Invariants:
 - Outputs are timestamped with the gateway's monotonic clock on receipt.
 - Once the gateway drains (`drain.draining`), nothing more is admitted: check_admission and
   add_request_async refuse with GatewayShuttingDown (503). See drain.py for the shutdown sequence.
+- With API keys, every AddRequest names its key (rate_limits.CURRENT_KEY, set by the key
+  middleware) as its `tenant`, and the key is charged for the request's tokens: its prompt once
+  the control plane accepted it, its generated tokens as they arrive (rate_limits.py has the rule).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import grpc
@@ -46,6 +49,7 @@ from ttserve.gateway.drain import Drain  # noqa: E402
 from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
                                     RequestRefused, record_refusal)
 from ttserve.gateway.metrics import CONNECTED, SESSIONS_LOST  # noqa: E402
+from ttserve.gateway.rate_limits import KeyAccount, current_key  # noqa: E402
 from ttserve.gateway.control_channel import open_control_channel  # noqa: E402
 from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version  # noqa: E402
 from ttserve.tls import PLAINTEXT, Tls  # noqa: E402
@@ -56,6 +60,12 @@ log = logging.getLogger("ttserve.gateway.engine_client")
 ADMISSION_TIMEOUT_S = 30.0
 
 Verdict = engine_pb2.Admission
+
+
+@dataclass(slots=True)
+class _Track(convert.RequestTrack):
+    """A request's track, with the account of the API key that sent it (None without keys)."""
+    account: KeyAccount | None = field(default=None)
 
 
 @dataclass
@@ -105,7 +115,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._backoff_s = backoff_s
         self._loop = asyncio.get_running_loop()
         self._outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()
-        self._tracks: dict[str, convert.RequestTrack] = {}  # sent and not finished
+        self._tracks: dict[str, _Track] = {}  # sent and not finished
         self._verdicts: dict[str, asyncio.Future[engine_pb2.Admission]] = {}  # awaiting Admission
         self._session: _Session | None = None
         self._last_error = "not connected yet"
@@ -126,7 +136,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
 
     @property
     def unreachable_message(self) -> str:
+        """For the operator (logs, /ready): it names the control plane's address."""
         return f"control plane at {self.target} is unreachable ({self._last_error})"
+
+    # What an HTTP client is told instead: internal addresses are the operator's.
+    UNREACHABLE_FOR_CLIENTS = "the control plane is unreachable; retry later"
 
     async def wait_connected(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -190,7 +204,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
         CONNECTED.set(0)
         for future in self._verdicts.values():
             if not future.done():
-                future.set_exception(ControlPlaneUnavailable(self.unreachable_message))
+                future.set_exception(ControlPlaneUnavailable(self.UNREACHABLE_FOR_CLIENTS))
         self._verdicts.clear()
         lost = [rid for rid in self._tracks]
         self._tracks.clear()
@@ -215,6 +229,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
             return
         if admission.verdict != Verdict.VERDICT_ACCEPTED:
             self._tracks.pop(admission.request_id, None)
+        elif (track := self._tracks.get(admission.request_id)) is not None and track.account is not None:
+            track.account.count_tokens(track.num_prompt_tokens, "prompt")
         if not future.done():
             future.set_result(admission)
 
@@ -224,6 +240,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
             track = self._tracks.get(out.request_id)
             if track is None:
                 continue  # aborted here, or not ours
+            if track.account is not None:
+                track.account.count_tokens(len(out.new_token_ids), "generation")
             output = convert.to_engine_core_output(out, track)
             if output is None:
                 continue
@@ -259,18 +277,21 @@ class GrpcEngineCoreClient(EngineCoreClient):
             raise self._refused(request_id, RequestRefused(reason))
         session = self._session
         if session is None:
-            raise self._refused(request_id, ControlPlaneUnavailable(self.unreachable_message))
+            raise self._refused(request_id, ControlPlaneUnavailable(self.UNREACHABLE_FOR_CLIENTS))
         try:
             message = engine_pb2.ClientMessage(add=convert.to_add_request(request, **self.grammar_options))
         except (ValueError, TypeError) as e:  # a value engine.proto's field cannot hold
             raise self._refused(request_id, RequestRefused(f"the request cannot be sent to the control "
                                                            f"plane: {e}")) from None
+        account = current_key()  # the API key that sent it (set by ApiKeyMiddleware)
+        message.add.tenant = account.name if account is not None else ""
         reason = convert.too_large(message.add)
         if reason is not None:
             raise self._refused(request_id, RequestRefused(reason))
         future: asyncio.Future[engine_pb2.Admission] = self._loop.create_future()
         self._verdicts[request_id] = future
-        self._tracks[request_id] = convert.RequestTrack.of(request)
+        track = self._tracks[request_id] = _Track.of(request)
+        track.account = account
         session.send(message)
         try:
             # The control plane answers at once (admission never waits on a device): no verdict
@@ -283,7 +304,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
                     abort=engine_pb2.AbortRequests(request_ids=[request_id])))
             if isinstance(e, TimeoutError):
                 raise self._refused(request_id, ControlPlaneUnavailable(
-                    f"the control plane at {self.target} did not answer the request's admission "
+                    f"the control plane did not answer the request's admission "
                     f"within {ADMISSION_TIMEOUT_S:g} s")) from None
             self.on_request_dropped(request_id)
             raise
@@ -298,7 +319,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
             raise self._refused(request_id, ControlPlaneOverloaded(
                 admission.message or "the control plane has too many requests waiting; retry later"))
         raise self._refused(request_id, ControlPlaneUnavailable(
-            admission.message or f"the control plane at {self.target} cannot take requests now"))
+            admission.message or "the control plane cannot take requests now"))
 
     def _refused(self, request_id: str, error: Exception) -> Exception:
         self.on_request_dropped(request_id)
@@ -454,7 +475,7 @@ class GatewayLLM(AsyncLLM):
         if self.drain.draining:
             error = GatewayShuttingDown()
         elif not self.core_client.connected:
-            error = ControlPlaneUnavailable(self.core_client.unreachable_message)
+            error = ControlPlaneUnavailable(self.core_client.UNREACHABLE_FOR_CLIENTS)
         if error is not None:
             record_refusal(error, n)
             raise error

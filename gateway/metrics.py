@@ -42,6 +42,20 @@ REQUEST_DURATION = Histogram(
     ["endpoint"], registry=REGISTRY,
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320))
 
+# By API key: the `key` label is the key's NAME (a keys-file `name:` or `key-N` by position),
+# never the key; the operator's file bounds it. Series are created per key at start-up
+# (gateway/rate_limits.py, KeyAccount).
+KEY_REQUESTS = Counter("ttserve_gateway_key_requests",
+                       "Generation requests each API key sent (those rate-limited included)",
+                       ["key"], registry=REGISTRY)
+KEY_TOKENS = Counter("ttserve_gateway_key_tokens",
+                     "Tokens each API key's requests consumed: prompt (counted once the control plane "
+                     "accepted the request) and generation (as they arrive)",
+                     ["key", "kind"], registry=REGISTRY)
+RATE_LIMITED = Counter("ttserve_gateway_rate_limited",
+                       "Requests refused with 429 by their API key's rate limit, by limit (requests "
+                       "or tokens per minute)", ["key", "limit"], registry=REGISTRY)
+
 # Both statuses exist from the start so that rate() over them works before the first refusal.
 for _status in ("400", "503"):
     REFUSED.labels(status=_status)

@@ -75,6 +75,10 @@ def test_a_partitioned_worker_loses_nothing_and_is_taken_back_once_healed(tmp_pa
             return all(sample(text, "ttserve_worker_ready", worker=w) == 1 for w in workers)
 
         wait_until(lambda: ready("w0", "w1"), 240, "both workers to serve")
+        # The metrics port takes no key: it stays on loopback whatever --host is (no --metrics-host).
+        probe = net.run("control", [sys.executable, "-c", "import socket, sys; s = socket.socket(); "
+                                    "s.settimeout(3); sys.exit(s.connect_ex(('w0', 9402)))"], timeout=30)
+        assert probe.returncode != 0, "w0's metrics port answered on its network address"
         stop, status = tmp_path / "stop", tmp_path / "load.json"
         control = hosts.certs["control"]
         load = host_process.start(net, "control", "load", [

@@ -219,3 +219,89 @@ def test_a_fault_in_one_workers_loop_takes_only_its_link_and_its_requests_move()
         task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_grammar_that_compiles_while_its_request_migrates_makes_it_schedulable_where_it_lands():
+    """Issue 22 item 3: the request waits aside while its grammar compiles; its worker is lost
+    meanwhile and the request migrates. The compiled grammar must stay with the request (it was
+    delivered to the lost worker's lane and dropped: the request never became ready, its stream
+    hung holding a queue slot); once a worker takes it, it is planned."""
+    import threading
+
+    from ttserve.control.engine import Engine
+    from ttserve.control.step import StepKind
+    from ttserve.control.wire import WorkerDescription
+    from ttserve.control.worker_group import WorkerLost
+    from ttserve.v1 import engine_pb2
+
+    class GatedCompiler:
+        def __init__(self) -> None:
+            self.gate = threading.Event()
+
+        def compile(self, spec):
+            self.gate.wait(30)
+            return FakeGrammar()
+
+    class FakeGrammar:
+        is_complete = False
+
+        def bitmask(self):
+            return None
+
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(workers=(WorkerSpec("w0", "w:0"),), reconnect_interval_s=0.01))
+        warm = WorkerDescription("w", "torch", "cpu", "/m", "X", 100, 64, [2], True, True,
+                                 single_execute_lanes=True, num_blocks_per_lane=16, block_size=4)
+        worker = engine.workers[0]
+        lose, back = asyncio.Event(), asyncio.Event()
+        planned: list = []
+        compiler = GatedCompiler()
+
+        async def connect(num_workers=1):
+            if worker.index in connected:
+                await back.wait()
+            connected.add(worker.index)
+            worker._warm, worker._num_lanes, worker._batched = warm, 1, 64
+            return warm
+
+        async def steps():
+            if not planned:
+                planned.append(None)
+                await lose.wait()
+                raise WorkerLost("worker w0 went away", worker.release())
+            plan = worker.lane_group.schedule()
+            planned.append(plan)
+            await asyncio.sleep(3600)
+            yield
+
+        async def close():
+            pass
+
+        connected: set[int] = set()
+        worker.connect, worker.steps, worker.close = connect, steps, close
+        task = asyncio.create_task(engine.run())
+        while not worker.ready:
+            await asyncio.sleep(0.01)
+        engine.grammars = compiler
+        client, queue = engine.open_session()
+        engine.add(engine_pb2.AddRequest(request_id="g", prompt_token_ids=[1, 2, 3],
+                                         sampling=engine_pb2.SamplingParams(max_tokens=4),
+                                         structured_output=engine_pb2.StructuredOutput(regex="[ab]+")), client)
+        assert (await queue.get()).admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED
+        request = engine.requests["g"]
+        assert not request.ready  # compiling
+        lose.set()
+        while request not in engine._migrating:
+            await asyncio.sleep(0.01)
+        compiler.gate.set()      # the grammar compiles while the request migrates
+        while not request.ready:
+            await asyncio.sleep(0.01)
+        back.set()               # the worker is back: the request lands on its lane
+        while len(planned) < 2:
+            await asyncio.sleep(0.01)
+        plan = planned[1]
+        assert plan.kind is StepKind.PREFILL and [w.request for w in plan.prefill] == [request]
+        assert request.grammar is not None and not request.is_finished
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -58,7 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "on, os.sched_getaffinity); give each of several workers on one host its "
                         "share of the cores")
     g.add_argument("--metrics-port", type=int, default=9402,
-                   help="HTTP port of /metrics, /health and /ready on --host (0: none)")
+                   help="HTTP port of /metrics, /health and /ready on --metrics-host (0: none)")
+    g.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDRESS",
+                   help="address of the --metrics-port server, which takes no key: loopback by "
+                        "default, whatever --host is; 0.0.0.0 where Prometheus or a health probe "
+                        "reaches it from another host or container (keep it off public networks)")
     g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
                    help="on SIGTERM, how long the control plane may go on stepping before the "
                         "worker stops")
@@ -185,7 +189,7 @@ async def _serve(service, args: argparse.Namespace, tls: Tls) -> int:
                              health=lambda: (not service.draining, "the worker is shutting down"),
                              ready=lambda: (service.ready, service.not_ready_reason))
     try:
-        ok = await run_service(serve(service, args.host, args.port, tls), (args.host, args.metrics_port),
+        ok = await run_service(serve(service, args.host, args.port, tls), (args.metrics_host, args.metrics_port),
                                endpoints, "worker", lambda: service.drain(args.shutdown_timeout))
     finally:
         service.runner.close()  # the model and its traces first, then the mesh and its fabric
