@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import ipaddress
 import sys
 
 from ttserve.gateway.body_limit import DEFAULT_MAX_REQUEST_BYTES
@@ -31,14 +32,27 @@ def _seconds(text: str, kind: type[int] | type[float] = int) -> int | float:
 _wait_bound = functools.partial(_seconds, kind=float)  # a wait's bound in seconds; 0: none
 
 
-def _positive(text: str) -> int:
+def _whole(text: str, minimum: int, meaning: str = "") -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {minimum}{meaning} or more, got {value}")
     return value
+
+
+_positive = functools.partial(_whole, minimum=1)
+# A rate per minute; 0: unlimited.
+_per_minute = functools.partial(_whole, minimum=0, meaning=" (unlimited)")
+
+
+def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """A CIDR network (a bare address is its /32 or /128)."""
+    try:
+        return ipaddress.ip_network(text)
+    except ValueError as e:  # "... has host bits set", "does not appear to be an IPv4 or IPv6 network"
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +71,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "route but /health; better --api-key-file or VLLM_API_KEY (read when "
                              "neither flag is given), since a flag shows in every process listing")
     parser.add_argument("--api-key-file", default=None, metavar="PATH",
-                        help="a file of API keys, one a line (# comments), added to --api-key's")
+                        help="a file of API keys, one a line (# comments), added to --api-key's: "
+                             "'[NAME:] KEY [rpm=N] [tpm=N]', NAME what metrics and the control plane "
+                             "call the key (default key-N by position), rpm/tpm its rate limits")
+    parser.add_argument("--key-requests-per-minute", type=_per_minute, default=0, metavar="N",
+                        help="each API key that sets no rpm=/tpm= in --api-key-file may send N "
+                             "generation requests a minute (a token bucket: bursts up to N); more "
+                             "get 429 with Retry-After (default 0: unlimited)")
+    parser.add_argument("--key-tokens-per-minute", type=_per_minute, default=0, metavar="N",
+                        help="likewise for prompt + generated tokens: a key's new request is refused "
+                             "(429) while its bucket of N tokens, refilled over a minute, is used up; "
+                             "tokens are charged once known, so a bucket can go into debt (default 0: "
+                             "unlimited)")
     parser.add_argument("--public-metrics", action="store_true",
                         help="serve /metrics without an API key (for a scraper that sends none)")
     parser.add_argument("--ssl-certfile", default=None, metavar="PEM",
@@ -114,6 +139,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
                         help="vision models: fetch http(s) image URLs from these hosts only; without "
                              "it, images come as data URLs and http(s) image URLs are refused")
+    parser.add_argument("--allowed-media-networks", nargs="+", type=_network, default=[], metavar="CIDR",
+                        help="vision models: image URLs may also reach addresses in these networks "
+                             "(e.g. 10.0.0.0/8); without it only public addresses: a URL whose host "
+                             "is or resolves to a loopback, private, link-local (cloud metadata), "
+                             "CGNAT, multicast or reserved address is refused (HTTP 400), also from "
+                             "an allowed domain (gateway/media_fetch_guard.py)")
     parser.add_argument("--vllm-args", default="", metavar="'FLAGS'",
                         help="further `vllm serve` frontend flags, as one quoted string, e.g. "
                              "--vllm-args='--chat-template-content-format openai'")
@@ -123,11 +154,13 @@ def resolve_security(args: argparse.Namespace) -> None:
     """Read the keys and certificates once, before anything slow: `args.api_keys` (ApiKeys) and
     `args.tls` (ttserve.tls.Tls, for the control-plane call). Raises ConfigRefused (exit 2)."""
     from ttserve.gateway.api_keys import ApiKeyConfigError, load_api_keys
+    from ttserve.gateway.rate_limits import Limits
     from ttserve.gateway.server import ConfigRefused
     from ttserve.tls import TlsConfigError, check_exposure, load_tls
 
     try:
-        args.api_keys = load_api_keys(args.api_key, args.api_key_file)
+        limits = Limits(getattr(args, "key_requests_per_minute", 0), getattr(args, "key_tokens_per_minute", 0))
+        args.api_keys = load_api_keys(args.api_key, args.api_key_file, default_limits=limits)
         args.tls = load_tls(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
         check_exposure(args.host, args.tls.serves_tls and bool(args.api_keys), args.insecure,
                        "the gateway's HTTP API", "HTTPS (--ssl-certfile, --ssl-keyfile) and an API key "

@@ -360,11 +360,13 @@ async def serve(args: argparse.Namespace) -> int:
         waiting.message = f"starting vLLM's frontend for {model} (the control plane at {args.control} is ready)"
         # No vLLM import may run on this thread before the preload ends (import lock order).
         await asyncio.to_thread(preload.join)
-        from ttserve.gateway import generation_errors, responses_input, vision_compat, vllm_compat
+        from ttserve.gateway import (generation_errors, media_fetch_guard, responses_input, vision_compat,
+                                     vllm_compat)
 
         vllm_compat.prepare()
         vllm_compat.inspect_models_in_process()
         vision_compat.register()  # before vLLM reads its model registry (the config)
+        media_fetch_guard.install(args.allowed_media_networks)  # image URLs reach public addresses only
         generation_errors.install()  # a failed request's reason reaches its HTTP client
         responses_input.install()  # earlier assistant messages vLLM cannot read (HTTP 500)
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
@@ -402,7 +404,8 @@ def install_middleware(app, api_keys=None, public_metrics: bool = False,
     instrumentation records into prometheus_client's default registry, which the gateway never
     exports, on every request and streamed chunk (RequestDurationMiddleware stands in for it);
     its AuthenticationMiddleware (installed when VLLM_API_KEY is set) guards /v1 only, and
-    ApiKeyMiddleware, outermost of all when `api_keys` holds any, guards every route."""
+    ApiKeyMiddleware, outermost of all when `api_keys` holds any, guards every route and holds
+    each key to its rate limits (a 429 before the request is read)."""
     from prometheus_fastapi_instrumentator.middleware import PrometheusInstrumentatorMiddleware
     from starlette.middleware import Middleware
     from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
@@ -418,7 +421,8 @@ def install_middleware(app, api_keys=None, public_metrics: bool = False,
     # Inside the key check: a client without a key never gets its body read at all.
     app.user_middleware.insert(0, Middleware(BodyLimitMiddleware, limit=max_request_bytes))
     if api_keys:
-        app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, keys=api_keys, public_metrics=public_metrics))
+        app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, keys=api_keys, public_metrics=public_metrics,
+                                                 rate_limit=True))
     # build_app has already built the middleware stack (SageMaker bootstrap), so
     # add_middleware() is refused: rebuild it, as that bootstrap does.
     app.middleware_stack = app.build_middleware_stack()
@@ -471,7 +475,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         log.info("serving %s on %s://%s for the control plane at %s (%s; API %s; vLLM %s frontend; "
                  "started in %.1f s)", ", ".join(vllm_args.served_model_name), scheme,
                  host_port(args.host, args.port), target, "TLS" if args.tls.calls_tls else "plaintext",
-                 f"key required ({len(args.api_keys)} key(s))" if args.api_keys else "open (no API key)",
+                 f"key required ({args.api_keys.describe()})" if args.api_keys else "open (no API key)",
                  vllm_version, time.monotonic() - started)
         await before_serving()
         shutdown_task = await serve_http(

@@ -23,6 +23,10 @@ pytestmark = pytest.mark.e2e
 BLOCK = 16
 BUDGET = 48
 
+# The tests' image servers listen on loopback: the module's gateway allows that network, the
+# strict one (below) does not.
+IMAGE_URL_FLAGS = ("--allowed-media-domains", "127.0.0.1", "localhost")
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_vlm) -> Stack:
@@ -30,9 +34,28 @@ def stack(tmp_path_factory, tiny_vlm) -> Stack:
                     control_flags=("--max-num-seqs", "2", "--data-parallel-size", "2",
                                    "--max-num-batched-tokens", str(BUDGET), "--enable-prefix-caching"),
                     worker_flags=("--dtype", "float32", "--block-size", str(BLOCK)),
-                    gateway_flags=("--limit-images-per-prompt", "3", "--allowed-media-domains", "127.0.0.1"))
+                    gateway_flags=("--limit-images-per-prompt", "3", *IMAGE_URL_FLAGS,
+                                   "--allowed-media-networks", "127.0.0.0/8"))
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def strict_client(stack, tmp_path_factory):
+    """The OpenAI client of a second gateway on the module's control plane, with the same
+    allowed domains but no --allowed-media-networks: image URLs reach public addresses only."""
+    from stack import Service, free_port, http_ok, wait_until
+
+    port = free_port()
+    gateway = Service("gateway", ["ttserve.gateway", "--port", str(port), "--control", stack.control_address,
+                                  "--limit-images-per-prompt", "3", *IMAGE_URL_FLAGS],
+                      tmp_path_factory.mktemp("strict-gateway") / "gateway.log").start()
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/ready"), 300, "the strict gateway",
+                   Stack(services=[gateway]))
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    finally:
+        gateway.stop()
 
 
 def data_url(image) -> str:
@@ -189,7 +212,7 @@ def test_an_http_image_url_from_an_allowed_host_is_fetched(client, model_name, h
 
 
 def test_http_image_urls_are_refused_unless_the_operator_allows_their_host(client, model_name):
-    content = [{"type": "image_url", "image_url": {"url": "http://localhost:9/cat.png"}},
+    content = [{"type": "image_url", "image_url": {"url": "http://images.example:9/cat.png"}},
                {"type": "text", "text": "What is it?"}]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
@@ -266,6 +289,34 @@ def test_a_redirect_from_an_allowed_host_is_not_followed(client, model_name, ima
     finally:
         target.shutdown()
         target.server_close()
+
+
+def test_image_urls_reaching_loopback_are_refused_unless_the_operator_allows_its_network(
+        client, strict_client, model_name, hf_tiny_vlm, image_server):
+    """An IP literal and a name that resolves to loopback, both from allowed domains: the strict
+    gateway refuses them (400, naming the host and why) without a request reaching the server;
+    the module's gateway, given --allowed-media-networks 127.0.0.0/8, serves the same URLs."""
+    base, picture, asked = image_server
+    port = base.rsplit(":", 1)[1]
+    urls = {host: f"http://{host}:{port}/cat.png" for host in ("127.0.0.1", "localhost")}
+
+    def chat(on, url):
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]
+        return on.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
+                                          temperature=0, max_tokens=10,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+
+    for host, url in urls.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(strict_client, url)
+        said = str(e.value)
+        assert f"image URL host '{host}'" in said and "a loopback address" in said, said
+        assert "image URLs may reach only public addresses" in said and "--allowed-media-networks" in said
+    assert asked == []
+    _, expected = oracle(hf_tiny_vlm, [picture, "What is this?"])
+    for url in urls.values():
+        assert chat(client, url).choices[0].token_ids == expected
+    assert asked == ["/cat.png", "/cat.png"]
 
 
 def test_too_many_images_is_a_clear_400(client, model_name):
