@@ -29,6 +29,9 @@ EXPECTED = {
     "differential.py": [r'"agree_ratio": [0-9.]+'],
     # The soak exits 1 on anything lost or leaked; its report says so too.
     "soak.py": [r'"worker_kills": [1-9]', r'"completed": [1-9]', r'"lost": 0,', r'"leaked_kv_blocks": 0,'],
+    # Exits 1 on a failed or migrated step, a step message past 64 MiB, or no held-bytes refusal.
+    "payload_memory.py": [r"\| largest step message, MiB\s+\| [0-9.]+", r"\| step failures\s+\| 0\s+\| 0\s+\|",
+                          r"\| refused\s+\| 0\s+\| [1-9]"],
     "vs_vllm.py": [r"\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", r"\| 4 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|",
                    r"ratio start-up ttserve / vLLM: [0-9.]+", r"ttserve: start-up to serving [0-9.]+ s"],
 }
