@@ -62,6 +62,8 @@ def check_request(request: Request, unsupported: list[str], limits: Limits) -> N
     if top_k < -1:
         raise AdmissionError(f"top_k must be -1 or 0 (off) or a positive count, got {top_k}")
     check_sampling(request.sampling, limits.vocab_size)
+    if request.grammar_spec is not None and (problem := request.grammar_spec.problem()):
+        raise AdmissionError(problem)
     if request.images:
         check_request_images(request, limits)
     if unsupported:

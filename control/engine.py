@@ -18,8 +18,8 @@ from .engine_config import EngineConfig, ServingLimits
 from .placement import choose_lane
 from .request import FinishReason, Request
 from .wire import WorkerDescription, admission_pb, mm_inputs_problem, output_to_pb, request_from_pb
-from .client_text import for_client
-from .queue_bounds import refusal
+from .client_text import first_line, for_client
+from .queue_bounds import Ledger
 from .worker_group import IncompatibleWorker, StepFailure, WorkerDraining, WorkerGroup, WorkerLost
 from .worker_link import WorkerError
 from .worker_set import WorkerSpec
@@ -46,6 +46,7 @@ class Engine:
         self.workers: dict[int, WorkerGroup] = {}
         self._drivers: dict[int, asyncio.Task] = {}
         self.worker_names: dict[int, str] = {}  # every id ever given: a finished request names its last
+        self._worker_addresses: dict[str, str] = {}  # every address ever served -> its name (client_text)
         self._next_worker_id = 0
         self._running = False
         for spec in config.workers:
@@ -60,6 +61,7 @@ class Engine:
         # Requests of a lost worker waiting for a ready one (in the order they were lost); those
         # of a drained or removed worker are handed off, which spends no --migration-limit.
         self._migrating: list[Request] = []
+        self._ledger = Ledger()  # what the live requests hold, by tenant (queue_bounds.py)
         self._handed_off: set[str] = set()
         # Each migrating request's --migration-timeout, cancelled when it is placed or ends: a
         # request that moves again waits its full time again.
@@ -126,7 +128,12 @@ class Engine:
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_UNAVAILABLE,
                                           self._for_client(f"no worker is ready ({self.not_ready_reason})")))
             return
-        overloaded = refusal(self.config.queue, self.requests.values(), add.tenant, add.ByteSize())
+        loads = [load for w in ready for load in w.loads()]
+        rows = len(loads) * self.config.max_num_seqs
+        # Requests that take a free row at the next step are not queued.
+        waiting = max(len(self._migrating) + sum(load.waiting for load in loads)
+                      - (rows - sum(load.running for load in loads)), 0)
+        overloaded = self._ledger.refusal(self.config.queue, waiting, rows, add.tenant, add.ByteSize())
         if overloaded:
             self.metrics.refused.labels("overloaded").inc()
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_OVERLOADED, overloaded))
@@ -146,6 +153,7 @@ class Engine:
             return
         placed = choose_lane([c for w in ready for c in w.candidates()], request)
         self.requests[request.request_id] = request
+        self._ledger.add(request)
         if request.grammar_spec is not None:
             request.ready = False  # waits aside until its grammar has compiled
             self._compile(request)
@@ -172,9 +180,9 @@ class Engine:
                           time.monotonic() - started)
             else:
                 message = str(error) if isinstance(error, GrammarError) else \
-                    f"structured output failed to compile: {type(error).__name__}: {error}"
+                    f"structured output failed to compile: {type(error).__name__}: {first_line(str(error))}"
                 log.info("request %s: %s", request.request_id, message)
-                self._end(request, FinishReason.ERROR, message)
+                self._end(request, FinishReason.ERROR, message, invalid=True)
                 self._publish(0, [request])
 
         future.add_done_callback(done)
@@ -192,6 +200,7 @@ class Engine:
                             client_id, request_id, request.client_id)
                 continue
             del self.requests[request_id]
+            self._ledger.remove(request)
             self._end(request, FinishReason.ABORT, "")
             self._finished(request, time.monotonic())
 
@@ -228,6 +237,7 @@ class Engine:
         self._next_worker_id += 1
         self.workers[worker.index] = worker
         self.worker_names[worker.index] = worker.name
+        self._worker_addresses[worker.address] = worker.name
         if self._running:
             self._start_driver(worker)
         return worker
@@ -383,7 +393,8 @@ class Engine:
             by_client.setdefault(request.client_id, []).append(out)
             request.mark_sent()
             if request.is_finished:
-                self.requests.pop(request.request_id, None)
+                if self.requests.pop(request.request_id, None) is request:
+                    self._ledger.remove(request)
                 self._finished(request, mono)
         now = time.time()
         for client_id, outputs in by_client.items():
@@ -394,7 +405,7 @@ class Engine:
 
     def _for_client(self, text: str) -> str:
         """A reason as a client may read it: workers by name, no addresses (client_text.py)."""
-        return for_client(text, {w.address: w.name for w in self.workers.values()})
+        return for_client(text, self._worker_addresses)
 
     def _finished(self, request: Request, now: float) -> None:
         self.metrics.finished(request, now)
@@ -421,13 +432,13 @@ class Engine:
         worker held is placed again (as a drain hands off) and recomputes: its client sees the
         tokens of an uninterrupted run."""
         failed = [r for r in failure.failed if self.requests.get(r.request_id) is r]
-        culprits = [r for r in failed if r.step_failed(alone=len(failed) == 1)]
+        culprits = [r for r in failed if r.step_failed(failure.alone)]
         log.error("%s; %d request(s) of the step run isolated, %d failed alone", failure.reason,
                   len(failed) - len(culprits), len(culprits))
         for request in culprits:
             request.finish(FinishReason.ERROR, f"the model failed on this request: {request.num_failed_steps} "
-                           f"steps that carried it failed, the last with it alone ({failure.error}); "
-                           "it is not retried")
+                           f"steps that carried it failed, the last with it alone ({first_line(failure.error)}); "
+                           "it is not retried", invalid=True)
         self.metrics.isolations.labels("failed").inc(len(culprits))
         self.metrics.isolations.labels("isolated").inc(len(failed) - len(culprits))
         self._migrate([r for r in failure.requests if r not in culprits], failure.reason, handed_off=True)
@@ -495,11 +506,11 @@ class Engine:
         if expiry is not None:
             expiry.cancel()
 
-    def _end(self, request: Request, reason: FinishReason, message: str) -> None:
+    def _end(self, request: Request, reason: FinishReason, message: str, invalid: bool = False) -> None:
         """Finish a request the serving side ends (its lane frees its row and blocks)."""
         if request in self._migrating:  # on no lane
             self._migrating.remove(request)
             self._stop_migrating(request)
-            request.finish(reason, message)
+            request.finish(reason, message, invalid)
             return
-        self.workers[request.worker].end(request, reason, message)
+        self.workers[request.worker].end(request, reason, message, invalid)

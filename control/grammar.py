@@ -15,7 +15,12 @@ from pathlib import Path
 
 import llguidance
 
+from .client_text import first_line
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# llguidance parses at most 2000 alternatives in one row ("Current row has 3001 items; max is
+# 2000"): a longer choice list compiles, then fails mid-generation; 65k of them panic the compiler.
+MAX_CHOICES = 2000
 
 
 class GrammarError(ValueError):
@@ -28,6 +33,18 @@ class GrammarSpec:
     text: str                      # the schema, regex, JSON list of choices or grammar; "" for json_object
     whitespace_flexible: bool = False
     disable_additional_properties: bool = False
+
+    def problem(self) -> str | None:
+        """Why the spec cannot be served, found before it is compiled."""
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.text)
+            except ValueError:
+                return "structured output choice: not a JSON list of strings"
+            if isinstance(choices, list) and len(choices) > MAX_CHOICES:
+                return (f"structured output choice has {len(choices)} options, more than the {MAX_CHOICES} "
+                        "this server's grammar engine can follow")
+        return None
 
     def serialize(self) -> str:
         """llguidance's grammar text for this spec (vLLM's serialize_guidance_grammar)."""
@@ -117,5 +134,5 @@ class GrammarCompiler:
         """A fresh grammar for one request (blocking: run it on a worker thread)."""
         matcher = llguidance.LLMatcher(self.tokenizer, spec.serialize(), log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"invalid {spec.kind} structured output: {matcher.get_error()}")
+            raise GrammarError(f"invalid {spec.kind} structured output: {first_line(matcher.get_error())}")
         return Grammar(matcher)

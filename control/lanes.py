@@ -55,6 +55,7 @@ class LaneGroup:
         assert lanes and len({lane.config.max_num_seqs for lane in lanes}) == 1
         self.lanes = lanes
         self.policy = policy or PhasePolicy()
+        self._isolated_decoded = False  # the last decode step ran an isolated request
 
     @property
     def max_num_seqs(self) -> int:
@@ -83,10 +84,16 @@ class LaneGroup:
         """Every lane's slice of one step. A request that runs isolated (a step that carried it
         failed) is the step's only row: its lane plans first and, when its slice carries it, the
         other lanes plan nothing; otherwise every lane plans without its isolated requests.
-        Isolated decoders take turns, fewest outputs first."""
+        Isolated decoders take turns, fewest outputs first, and alternate with the batch of the
+        others: a request isolated to its end never stops them."""
         payload = images.PayloadBudget()  # one gRPC message for the whole group's step
         carry = carry or [None] * len(self.lanes)
         picks = [(i, r) for i, lane in enumerate(self.lanes) if (r := lane.isolated_candidate(kind)) is not None]
+        if kind is StepKind.DECODE:
+            if picks and self._isolated_decoded and any(
+                    not r.isolated and not r.is_prefilling for lane in self.lanes for r in lane.running):
+                picks = []  # the others' turn
+            self._isolated_decoded = bool(picks)
         if not picks:
             return [lane.plan(kind, c, payload) for lane, c in zip(self.lanes, carry)]
         if kind is StepKind.DECODE:

@@ -117,6 +117,9 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     error: str = ""
+    # With FinishReason.ERROR: the request itself cannot be served (its structured output, or
+    # inputs that make the model or the worker refuse it), not the serving side's fault.
+    invalid: bool = False
     # Logprobs of output_token_ids[num_sent_tokens:] (when the request asked for logprobs).
     unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Lifecycle events (time.monotonic() of this process), recorded where they happen (arrival
@@ -178,9 +181,10 @@ class Request:
         if self.num_failed_steps < POISON_FAILURES:
             self.isolated = False
 
-    def finish(self, reason: FinishReason, error: str = "") -> None:
-        """Mark it finished; whoever held its slot and blocks has given them back."""
-        self.status, self.finish_reason, self.error = RequestStatus.FINISHED, reason, error
+    def finish(self, reason: FinishReason, error: str = "", invalid: bool = False) -> None:
+        """Mark it finished; whoever held its slot and blocks has given them back. `invalid`:
+        the error is the request's own (Request.invalid)."""
+        self.status, self.finish_reason, self.error, self.invalid = RequestStatus.FINISHED, reason, error, invalid
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Chained hashes (prefix_hash.py) of the full blocks within its first `num_tokens`

@@ -14,6 +14,7 @@ import logging
 
 from . import images
 from .blocks import BlockPool
+from .client_text import first_line
 from .request import FinishReason, Request, RequestStatus, TokenLogprobs
 from .step import DecodeWork, PrefillWork, StepKind, StepPlan
 from .stop import check_stop
@@ -61,7 +62,7 @@ class Scheduler:
         assert request.status is RequestStatus.WAITING
         self.waiting.append(request)
 
-    def finish(self, request: Request, reason: FinishReason, error: str = "") -> None:
+    def finish(self, request: Request, reason: FinishReason, error: str = "", invalid: bool = False) -> None:
         """End a request now (abort, error or stop): blocks and slot are free for the next step."""
         if request.is_finished:
             return
@@ -72,7 +73,7 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self.skipped.remove(request)
-        request.finish(reason, error)
+        request.finish(reason, error, invalid)
 
     def adopt(self, request: Request) -> None:
         """A request migrated from a lost worker's lane: it joins the head of the queue with
@@ -436,7 +437,7 @@ class Scheduler:
             request = work.request
             if request.request_id in refused and request.status is RequestStatus.RUNNING:
                 self.finish(request, FinishReason.ERROR, f"the worker refused the request: "
-                            f"{refused[request.request_id]}")
+                            f"{refused[request.request_id]}", invalid=True)
                 changed.append(request)
         for work in plan.prefill:
             request = work.request
@@ -493,5 +494,6 @@ class Scheduler:
         grammar = request.grammar
         assert grammar is not None
         if not grammar.is_complete and not grammar.accept(token_id):
-            self.finish(request, FinishReason.ERROR, f"the worker sampled token {token_id}, which the "
-                        f"request's structured output does not allow: {grammar.error}")
+            self.finish(request, FinishReason.ERROR, f"the request's structured output cannot go on: the worker "
+                        f"sampled token {token_id}, which it does not allow ({first_line(grammar.error)})",
+                        invalid=True)

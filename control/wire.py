@@ -72,6 +72,7 @@ def output_to_pb(request: Request) -> engine_pb2.RequestOutput:
     new = request.output_token_ids[request.num_sent_tokens:]
     out = engine_pb2.RequestOutput(request_id=request.request_id, new_token_ids=new,
                                    finish_reason=_FINISH[request.finish_reason], error=request.error,
+                                   invalid_request=request.invalid,
                                    worker=request.worker, lane=request.lane)
     if request.num_sent_tokens == 0:
         out.num_cached_tokens = request.num_cached_tokens

@@ -24,6 +24,12 @@ from .worker_link import StepFailed, WorkerError, WorkerLink
 log = logging.getLogger(__name__)
 
 
+# Steps failed in a row after which a worker is lost rather than its requests isolated: a poison
+# request fails twice (in its batch, then alone) and its batch-mates then pass; a third failure in
+# a row says the device itself fails.
+STEP_FAILURES_LOST = 3
+
+
 class IncompatibleWorker(RuntimeError):
     """A worker this configuration cannot serve (topology, model, limits): it is refused alone
     while others serve; the control plane exits with this message when it is the only one."""
@@ -76,6 +82,7 @@ class StepFailure:
     error: str
     requests: list[Request]
     failed: list[Request]
+    alone: bool   # the failed steps carried one request, `failed`'s only one
 
 
 @dataclass(slots=True)
@@ -120,6 +127,7 @@ class WorkerGroup:
         self._link: WorkerLink | None = None
         self._warm: WorkerDescription | None = None
         self._max_model_len = 0
+        self._failures_in_a_row = 0   # steps failed since the last that returned a result
         self._batched = self._num_lanes = 0  # as warmed up
 
     @property
@@ -172,12 +180,12 @@ class WorkerGroup:
         self.lane_group.lanes[lane].adopt(request)
         self.wake()
 
-    def end(self, request: Request, reason: FinishReason, message: str) -> None:
+    def end(self, request: Request, reason: FinishReason, message: str, invalid: bool = False) -> None:
         """Finish `request` now (its lane frees its row and blocks with the next step)."""
         if self.lane_group is not None:
-            self.lane_group.lanes[request.lane].finish(request, reason, message)
+            self.lane_group.lanes[request.lane].finish(request, reason, message, invalid)
         else:
-            request.finish(reason, message)
+            request.finish(reason, message, invalid)
         self.wake()
 
     def loads(self) -> list[LaneLoad]:
@@ -204,6 +212,7 @@ class WorkerGroup:
                 log.info("waiting for worker %s: %s", self.name, e)
             await asyncio.sleep(self.config.reconnect_interval_s)
         self.draining = False
+        self._failures_in_a_row = 0
         num_lanes = self._lanes_for(described, num_workers)
         max_model_len = max(self.config.max_model_len, 0) or described.max_position_embeddings
         if max_model_len > described.max_position_embeddings:
@@ -350,10 +359,18 @@ class WorkerGroup:
                 try:
                     outcome = await self._receive(link)
                 except StepFailed as e:
+                    self._failures_in_a_row += 1
+                    if self._failures_in_a_row >= STEP_FAILURES_LOST:
+                        # Isolation blames requests; steps that fail whatever they carry mean
+                        # a broken device: lost, its requests move to other workers.
+                        raise WorkerError(f"worker {self.name} at {self.address} failed {self._failures_in_a_row} "
+                                          f"steps in a row, the last: {e.error}; its device is taken as "
+                                          "broken") from e
                     yield await self._step_failed(link, e, in_flight)
                     group = self.lane_group
                     assert group is not None
                     continue
+                self._failures_in_a_row = 0
                 plan, _, sent = in_flight.popleft()
                 if plan is not None:
                     self.num_steps += 1
@@ -390,7 +407,7 @@ class WorkerGroup:
         held = self._held(self.lane_group)
         self._retired.add(self.lane_group)
         self.lane_group = self._build_group(self.description, self._num_lanes, self._max_model_len, self._batched)
-        return StepFailure(str(failure), failure.error, held, list(failed.values()))
+        return StepFailure(str(failure), failure.error, held, list(failed.values()), alone=len(failed) == 1)
 
     async def _send(self, link: WorkerLink, plan: GroupPlan | None, pipelined: bool,
                     in_flight: deque[tuple[GroupPlan | None, bool, float]]) -> None:

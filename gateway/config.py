@@ -11,6 +11,7 @@ import ipaddress
 import sys
 
 from ttserve.gateway.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from ttserve.gateway.header_limit import DEFAULT_MAX_HEADER_BYTES
 from ttserve.gateway.media_limits import DEFAULT_MAX_IMAGE_PIXELS
 from ttserve.logs import setup_logging
 
@@ -133,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help="the largest HTTP request body; a larger one is refused with 413 before "
                              "it is parsed (default %(default)d, 64 MiB)")
+    parser.add_argument("--max-header-bytes", type=_positive, default=DEFAULT_MAX_HEADER_BYTES, metavar="N",
+                        help="the largest HTTP request head (request line and headers); a larger one "
+                             "is refused with 431 as it arrives (default %(default)d, 64 KiB)")
     parser.add_argument("--max-image-pixels", type=_positive, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
                         help="vision models: an image whose width x height exceeds N is refused (HTTP "
                              "400) before it is decoded (default %(default)d, 4096 x 4096)")

@@ -251,7 +251,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
                     log.warning("request %s failed in the control plane: %s", out.request_id,
                                 out.error or "no message")
                     if out.error:
-                        generation_errors.record(out.request_id, out.error)
+                        generation_errors.record(out.request_id, out.error, out.invalid_request)
                 elif output.finish_reason == FinishReason.ABORT and out.error:
                     # The control plane ended it (e.g. it shut down); the client sees finish
                     # reason "abort" (the OpenAI API has no field for the message).

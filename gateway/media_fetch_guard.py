@@ -48,7 +48,7 @@ from ttserve.gateway import vllm_compat
 vllm_compat.prepare()
 
 from vllm.connections import HTTPConnection  # noqa: E402
-from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.exceptions import VLLMClientError, VLLMValidationError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,16 @@ def _a(kind: str) -> str:
 
 class MediaAddressRefused(VLLMValidationError):
     """An image URL's host has no address the gateway may connect to: HTTP 400."""
+
+
+class UnloadableMediaUrl(VLLMValidationError):
+    """A media URL that could not be loaded (unreachable, timed out, a scheme not allowed): 400."""
+
+
+def _unloadable(url: str, error: BaseException) -> str:
+    shown = url if len(url) <= 200 else url[:200] + "..."
+    reason = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+    return f"the media URL {shown} could not be loaded: {reason}"
 
 
 class MediaAddressPolicy:
@@ -281,8 +291,29 @@ def install(allowed_networks: Sequence[IPNetwork]) -> None:
     connection = GuardedHTTPConnection(MediaAddressPolicy(allowed_networks))
 
     class AddressGuardedMediaConnector(MediaConnector):
+        """vLLM's connector on the guarded connection. A URL it cannot load is the request's
+        fault, a 400 saying why: vLLM lets a refused connection (aiohttp's ClientConnectorError),
+        a timeout or a file: URL without --allowed-local-media-path (a RuntimeError) through as
+        an HTTP 500."""
+
         def __init__(self, media_io_kwargs: dict[str, dict[str, Any]] | None = None, **kwargs: Any) -> None:
             super().__init__(media_io_kwargs, connection, **kwargs)
+
+        def load_from_url(self, url: str, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().load_from_url(url, *args, **kwargs)
+            except (ValueError, VLLMClientError):
+                raise
+            except Exception as e:  # noqa: BLE001 - every other failure to load is the URL's
+                raise UnloadableMediaUrl(_unloadable(url, e)) from e
+
+        async def load_from_url_async(self, url: str, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await super().load_from_url_async(url, *args, **kwargs)
+            except (ValueError, VLLMClientError):
+                raise
+            except Exception as e:  # noqa: BLE001 - every other failure to load is the URL's
+                raise UnloadableMediaUrl(_unloadable(url, e)) from e
 
     MEDIA_CONNECTOR_REGISTRY.register(CONNECTOR_NAME)(AddressGuardedMediaConnector)
     os.environ["VLLM_MEDIA_CONNECTOR"] = CONNECTOR_NAME

@@ -30,7 +30,7 @@ from typing import Awaitable, Callable, NoReturn
 import grpc
 
 from ttserve.gateway.control_channel import open_control_channel
-from ttserve.gateway import media_limits
+from ttserve.gateway import header_limit, media_limits
 from ttserve.gateway.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from ttserve.gateway.readiness import describe_workers
 from ttserve.gateway.waiting import BACKLOG, WaitingResponder, http_ssl_context
@@ -360,14 +360,15 @@ async def serve(args: argparse.Namespace) -> int:
         waiting.message = f"starting vLLM's frontend for {model} (the control plane at {args.control} is ready)"
         # No vLLM import may run on this thread before the preload ends (import lock order).
         await asyncio.to_thread(preload.join)
-        from ttserve.gateway import (generation_errors, media_fetch_guard, responses_input, vision_compat,
-                                     vllm_compat)
+        from ttserve.gateway import (generation_errors, media_fetch_guard, responses_input,
+                                     structured_output_limits, vision_compat, vllm_compat)
 
         vllm_compat.prepare()
         vllm_compat.inspect_models_in_process()
         vision_compat.register()  # before vLLM reads its model registry (the config)
         media_fetch_guard.install(args.allowed_media_networks)  # image URLs reach public addresses only
         generation_errors.install()  # a failed request's reason reaches its HTTP client
+        structured_output_limits.install()  # no 100k-choice validation on the event loop
         responses_input.install()  # earlier assistant messages vLLM cannot read (HTTP 500)
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
         vllm_config = build_vllm_config(vllm_args, model_info)
@@ -468,7 +469,8 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         quiet_refusal_tracebacks()
         # After the drain, how long uvicorn waits for open responses to be written (the aborted
         # streams' last chunks, slow readers) before it cancels them.
-        uvicorn_kwargs: dict = {"timeout_graceful_shutdown": RESPONSES_FLUSH_S}
+        uvicorn_kwargs: dict = {"timeout_graceful_shutdown": RESPONSES_FLUSH_S,
+                                "http": header_limit.protocol(args.max_header_bytes)}
         if (log_config := get_uvicorn_log_config(vllm_args)) is not None:
             uvicorn_kwargs["log_config"] = log_config
         scheme = "https" if vllm_args.ssl_keyfile and vllm_args.ssl_certfile else "http"
@@ -486,7 +488,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
             ssl_keyfile=vllm_args.ssl_keyfile, ssl_certfile=vllm_args.ssl_certfile,
             ssl_ca_certs=vllm_args.ssl_ca_certs, ssl_cert_reqs=vllm_args.ssl_cert_reqs,
             ssl_ciphers=vllm_args.ssl_ciphers,
-            h11_max_incomplete_event_size=vllm_args.h11_max_incomplete_event_size,
+            h11_max_incomplete_event_size=min(vllm_args.h11_max_incomplete_event_size, args.max_header_bytes),
             h11_max_header_count=vllm_args.h11_max_header_count, **uvicorn_kwargs)
         await shutdown_task
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import logging
 import shlex
 import socket
@@ -73,6 +74,16 @@ def _scope(head: bytes) -> Scope | None:
             "root_path": "", "headers": headers}
 
 
+# host:port and [IPv6]:port, as the waiting messages name the control plane and the workers.
+_ADDRESS = re.compile(r"\s*(?:at )?(?:\[[0-9A-Fa-f:.%]+\]|[A-Za-z0-9_.-]+):\d{1,5}\b")
+
+
+def without_addresses(message: str) -> str:
+    """`message` for an API client: the addresses of the services behind the gateway are the
+    operator's (logs and the keyed /ready name them)."""
+    return _ADDRESS.sub("", message)
+
+
 class WaitingResponder:
     """Answers on `sock` (listening) from `show` until `close`; `message` says what the gateway
     is doing instead of serving, for a person to read."""
@@ -107,7 +118,8 @@ class WaitingResponder:
         if scope["path"] == "/health":
             status, body = 200, b""
         else:
-            message = f"not ready: {self.message}" if scope["path"] == "/ready" else self.message
+            # /ready is the operator's (it names addresses); a client's route reads no address.
+            message = f"not ready: {self.message}" if scope["path"] == "/ready" else without_addresses(self.message)
             status, body = 503, json.dumps(service_unavailable(message)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 503:

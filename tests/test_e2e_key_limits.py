@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 SIM_WORKER = ("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b")
 KEY_A, KEY_B = "sk-alpha-0123456789abcdef", "sk-bravo-fedcba9876543210"
 KEY_C = "sk-charlie-5555aaaa6666bbbb"
-QUEUE = 4  # --max-num-queued-reqs: each tenant may hold 2 waiting requests (--tenant-queue-share 0.5)
+QUEUE = 3  # --max-num-queued-reqs: with one row, each tenant may hold 2 live requests (0.5 of 1 + 3)
 MAX_TOKENS = 4
 
 
@@ -82,15 +82,16 @@ def test_a_key_over_its_request_rate_gets_429_while_another_key_is_served(limite
 
 
 def test_a_tenant_flooding_the_queue_gets_503_while_another_tenant_is_admitted(limited, smollm2):
-    """One row: key b's requests queue behind each other. Past its share of the queue (2 of 4
-    waiting) b is refused with 503 and Retry-After, and key c is still admitted and served."""
+    """One row: key b's requests queue behind each other. Past its share (half of the row and the
+    3 queue places: 2 live requests) b is refused with 503 and Retry-After, and key c is still
+    admitted and served."""
     body = {"model": smollm2.name, "prompt": "Count to one hundred:", "max_tokens": 48, "temperature": 0,
             "ignore_eos": True}
     control = limited.control_metrics_url
     with httpx.Client(base_url=limited.http_url, timeout=120) as http, \
             concurrent.futures.ThreadPoolExecutor(6) as pool:
         flood = [pool.submit(http.post, "/v1/completions", json=body, headers=auth(KEY_B)) for _ in range(6)]
-        wait_until(lambda: metric(control, "ttserve_num_requests_waiting", worker="0", lane="0") == 2, 60,
+        wait_until(lambda: metric(control, "ttserve_num_requests_waiting", worker="0", lane="0") == 1, 60,
                    "b's share of the queue to fill", limited)
         other = http.post("/v1/completions", json={**body, "max_tokens": 4}, headers=auth(KEY_C))
         replies = [f.result() for f in flood]
@@ -98,5 +99,5 @@ def test_a_tenant_flooding_the_queue_gets_503_while_another_tenant_is_admitted(l
     refused = [r for r in replies if r.status_code == 503]
     assert refused and all(r.status_code in (200, 503) for r in replies), [r.text for r in replies]
     assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
-    assert "tenant 'b' already has 2 requests waiting" in refused[0].json()["error"]["message"]
+    assert "tenant 'b' already has 2 requests, its share" in refused[0].json()["error"]["message"]
     assert sample(get(f"{control}/metrics")[1], "ttserve_requests_refused_total", reason="overloaded") == len(refused)

@@ -123,4 +123,26 @@ def test_isolation_holds_and_everything_finishes_under_random_traffic(specs, num
         for lane in g.lanes:
             lane.pool.check()
     assert all(r.status is RequestStatus.FINISHED for r in everyone)
-    assert all(r.isolated == (r.num_failed_steps >= 2) for r in everyone if len(r.output_token_ids) > 1)
+    # Twice failed: isolated to the end; never failed: never isolated. (Once failed, it rejoins
+    # after a decode of its own, which a request finished by prefills alone never had.)
+    assert all(r.isolated for r in everyone if r.num_failed_steps >= 2)
+    assert not any(r.isolated for r in everyone if r.num_failed_steps == 0)
+
+
+def test_a_request_isolated_to_its_end_alternates_with_the_others_batch():
+    """Twice failed, it decodes alone to its end; the other lanes' requests still decode every
+    other step instead of waiting for it to finish."""
+    g = group(num_lanes=2, max_num_seqs=3, budget=64)
+    twice = make("twice", 4, max_tokens=12)
+    others = [make(f"o{i}", 4, max_tokens=12) for i in range(4)]
+    for r in (twice, *others):
+        place(g, r)
+    twice.step_failed(alone=False)
+    twice.step_failed(alone=False)
+    while not all(r.prefilled for r in (twice, *others)):
+        checked_step(g)
+    progress = []
+    for _ in range(8):
+        batch = checked_step(g)
+        progress.append(batch == [twice])
+    assert progress.count(True) == 4 and progress.count(False) == 4, progress

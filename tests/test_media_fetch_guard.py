@@ -15,6 +15,7 @@ import threading
 import aiohttp
 from aiohttp.abc import AbstractResolver
 import pytest
+from vllm.exceptions import VLLMClientError
 
 from ttserve.gateway.media_fetch_guard import (GuardedHTTPConnection, GuardedTCPConnector, MediaAddressPolicy,
                                                MediaAddressRefused, non_public_kind)
@@ -283,7 +284,41 @@ def test_installed_vllm_loads_the_guarded_connector_and_both_checks_apply(server
     assert isinstance(by_name, MediaAddressRefused) and "loopback address" in str(by_name)
     assert "allowed domains" in str(by_literal)  # vLLM's check on the name, before any lookup
     assert "allowed-local-media-path" in str(by_file)
+    assert isinstance(by_file, VLLMClientError)  # a 400: vLLM raises a RuntimeError (HTTP 500)
     assert server.asked == []
+
+
+def test_an_unloadable_media_url_is_the_requests_fault(monkeypatch):
+    """A host that refuses the connection: vLLM lets aiohttp's ClientConnectorError through as
+    an HTTP 500 after three attempts; here it is a ValueError (400) naming the URL."""
+    from vllm import envs
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
+
+    from ttserve.gateway import media_fetch_guard
+
+    monkeypatch.setenv("VLLM_MEDIA_CONNECTOR", "http")
+    media_fetch_guard.install([ipaddress.ip_network("127.0.0.0/8")])
+    connector = MEDIA_CONNECTOR_REGISTRY.load(envs.VLLM_MEDIA_CONNECTOR, media_io_kwargs=None,
+                                              allowed_local_media_path="", allowed_media_domains=None)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    url = f"http://127.0.0.1:{closed}/cat.png"
+
+    async def fetch():
+        try:
+            return await connector.fetch_image_async(url)
+        except Exception as e:
+            return e
+        finally:
+            if connector.connection._async_client is not None:
+                await connector.connection._async_client.close()
+
+    error = asyncio.run(fetch())
+    assert isinstance(error, media_fetch_guard.UnloadableMediaUrl), repr(error)
+    assert f"the media URL {url} could not be loaded" in str(error)
+    with pytest.raises(VLLMClientError, match="could not be loaded"):
+        connector.fetch_image(url)
 
 
 def test_the_flag_takes_networks_and_refuses_what_is_not_one(capsys):

@@ -296,6 +296,10 @@ class ModelRunner:
         self._requests.clear()
         self._previous_tokens = torch.zeros(0, dtype=torch.long)
 
+    def unanswered(self) -> list[int]:
+        """Step ids launched and not yet returned: pipelined decodes held on the device."""
+        return [launched.result.step_id for launched in self._deferred]
+
     def close(self) -> None:
         """Release the model (and its traces) before the device closes."""
         self.reset()

@@ -220,6 +220,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     continue
                 received = time.perf_counter()
                 batch = batch_from_pb(pb)
+                held = self.runner.unanswered()  # a pipelined decode the next launch returns
                 try:
                     # The runner holds a pipelined decode until the next batch is launched.
                     results = await self._on_device(self.runner.step, batch, received)
@@ -229,7 +230,10 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     # control plane recomputes its requests and isolates the failed step's.
                     log.exception("step %d failed; dropping all device state and serving on", pb.step_id)
                     await self._on_device(self.runner.reset)
-                    yield device_pb2.StepResult(step_id=pb.step_id, error=f"{type(e).__name__}: {e}")
+                    # One result per step sent, in order: a decode held on the device (whose
+                    # readback may be what raised) fails with this one.
+                    for step_id in [*held, pb.step_id]:
+                        yield device_pb2.StepResult(step_id=step_id, error=f"{type(e).__name__}: {e}")
                     continue
                 for result in results:
                     self.metrics.step(result.kind, result)
