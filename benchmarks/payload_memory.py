@@ -394,7 +394,7 @@ def baseline(stack: TappedStack) -> tuple[dict[str, float], bool]:
 
 def health(control_text: str) -> dict:
     return {"step_failures": total(control_text, "ttserve_step_failures_total"),
-            "migrations": by_label(control_text, "ttserve_request_migrations_total", "outcome"),
+            "migrated": by_label(control_text, "ttserve_request_migrations_total", "outcome"),
             "isolations": by_label(control_text, "ttserve_request_isolations_total", "outcome")}
 
 
@@ -535,8 +535,8 @@ def problems(name: str, phase: dict) -> list[str]:
                    f"others: {phase['not_length']}")
     if phase["health"]["step_failures"]:
         out.append(f"{name}: {phase['health']['step_failures']:g} steps failed")
-    if any(phase["health"]["migrations"].values()):
-        out.append(f"{name}: requests migrated {phase['health']['migrations']}")
+    if any(phase["health"]["migrated"].values()):
+        out.append(f"{name}: requests migrated {phase['health']['migrated']}")
     if phase["steps"]["steps_over_64_mib"]:
         out.append(f"{name}: {phase['steps']['steps_over_64_mib']} step messages over 64 MiB")
     return out
@@ -566,8 +566,8 @@ def table(budget: dict, held: dict) -> str:
         ("largest step's images, MiB", str(budget["steps"]["largest_step_image_mib"]),
          str(held["steps"]["largest_step_image_mib"])),
         ("step failures", f"{budget['health']['step_failures']:g}", f"{held['health']['step_failures']:g}"),
-        ("migrations", str(int(sum(budget["health"]["migrations"].values()))),
-         str(int(sum(held["health"]["migrations"].values())))),
+        ("migrations", str(int(sum(budget["health"]["migrated"].values()))),
+         str(int(sum(held["health"]["migrated"].values())))),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]

@@ -75,6 +75,12 @@ class LaneGroup:
             # for the whole group, carrying the ids finished or preempted by the attempt.
             plans = self._plan_lanes(StepKind.DECODE, plans)
             kind = StepKind.DECODE
+        elif kind is StepKind.DECODE and not any(p.decode for p in plans) and any(
+                lane.wants_prefill() for lane in self.lanes):
+            # Likewise a forced decode whose only decoder gave its blocks back (it preempted
+            # itself for a running prefill's KV): the prefills run instead of an empty step.
+            plans = self._plan_lanes(StepKind.PREFILL, plans)
+            kind = StepKind.PREFILL
         if not any(p.prefill or p.decode for p in plans):
             kind = StepKind.EMPTY
         self.policy.record(kind, has_decodes)
@@ -89,11 +95,16 @@ class LaneGroup:
         payload = images.PayloadBudget()  # one gRPC message for the whole group's step
         carry = carry or [None] * len(self.lanes)
         picks = [(i, r) for i, lane in enumerate(self.lanes) if (r := lane.isolated_candidate(kind)) is not None]
-        if kind is StepKind.DECODE:
-            if picks and self._isolated_decoded and any(
-                    not r.isolated and not r.is_prefilling for lane in self.lanes for r in lane.running):
-                picks = []  # the others' turn
-            self._isolated_decoded = bool(picks)
+        if kind is StepKind.DECODE and picks and self._isolated_decoded and any(
+                not r.isolated and not r.is_prefilling for lane in self.lanes for r in lane.running):
+            # The others' turn; if none of them can run now (KV), the isolated one's after all,
+            # carrying what the attempt released.
+            carry = [lane.plan(kind, c, payload) for lane, c in zip(self.lanes, carry)]
+            if any(p.decode for p in carry):
+                self._isolated_decoded = False
+                return carry
+            picks = [(i, r) for i, lane in enumerate(self.lanes)
+                     if (r := lane.isolated_candidate(kind)) is not None]
         if not picks:
             return [lane.plan(kind, c, payload) for lane, c in zip(self.lanes, carry)]
         if kind is StepKind.DECODE:
@@ -104,9 +115,12 @@ class LaneGroup:
             # A pick that cannot run now (KV) leaves its lane's slice to the others' rows, or,
             # with none, lets the next pick try.
             plans[i] = plan = self.lanes[i].plan(kind, carry[i], payload, alone)
-            ran = any(w.request is alone for w in (*plan.prefill, *plan.decode))
+            # Another isolated decoder of the lane may have taken the turn `alone` could not.
+            ran = any(w.request.isolated for w in (*plan.prefill, *plan.decode))
             if ran or plan.prefill or plan.decode:
                 break
+        if kind is StepKind.DECODE:
+            self._isolated_decoded = ran
         return [plans[i] if i in plans else lane.plan(StepKind.EMPTY if ran else kind, c, payload)
                 for i, (lane, c) in enumerate(zip(self.lanes, carry))]
 

@@ -91,7 +91,7 @@ def test_an_isolated_request_does_not_block_the_decodes_it_waits_behind():
     assert running.is_finished and late.is_finished
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 2), st.integers(0, 8)),
                 min_size=1, max_size=12),
        st.integers(1, 3), st.integers(6, 16), st.integers(1, 3), st.booleans(), st.data())
