@@ -52,9 +52,34 @@ def exchange(port: int, head: bytes, chunks: list[bytes] = (), timeout: float = 
     return reply
 
 
+def slow_head(port: int, head: bytes, seconds: float) -> bytes:
+    """Send `head` a byte at a time over `seconds` (all of it, then wait), and read the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=seconds + 10) as s:
+        started = time.monotonic()
+        try:
+            for i, byte in enumerate(head):
+                s.sendall(bytes([byte]))
+                time.sleep(max(0.0, started + seconds * (i + 1) / len(head) - time.monotonic()))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        reply = b""
+        while True:
+            try:
+                data = s.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not data:
+                break
+            reply += data
+            if reply.endswith(b"body bytes") or b"408" in reply.split(b"\r\n", 1)[0] and b"\r\n\r\n" in reply \
+                    and reply.split(b"\r\n\r\n", 1)[1]:
+                break
+    return reply
+
+
 def test_a_head_past_the_limit_is_431_as_it_arrives_and_other_requests_pass():
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol(LIMIT),
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol(LIMIT, 2.0),
                                            log_level="warning", lifespan="off"))
 
     async def scenario() -> None:
@@ -78,6 +103,14 @@ def test_a_head_past_the_limit_is_431_as_it_arrives_and_other_requests_pass():
             post = await asyncio.to_thread(
                 exchange, port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
             assert post.startswith(b"HTTP/1.1 200") and post.endswith(b"1048576 body bytes"), post[:200]
+            # Slowloris: a head still incomplete after the timeout, and a connection that sends
+            # nothing, are closed with 408; a slow but complete head in time is served.
+            late = await asyncio.to_thread(slow_head, port, b"GET / HTTP/1.1\r\nHost: x\r\nX-A: ", 8)
+            assert late.startswith(b"HTTP/1.1 408") and b"took over 2 s" in late, late[:200]
+            silent = await asyncio.to_thread(slow_head, port, b"", 8)
+            assert silent.startswith(b"HTTP/1.1 408"), silent[:200]
+            in_time = await asyncio.to_thread(slow_head, port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 1)
+            assert in_time.startswith(b"HTTP/1.1 200"), in_time[:200]
         finally:
             server.should_exit = True
             await task
