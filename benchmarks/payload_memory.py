@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import re
@@ -43,13 +44,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from stack import Service, Stack, control_ready, free_port, get, start_worker, wait_until  # noqa: E402
+from stack import Service, Stack, control_ready, free_port, get, samples, start_worker, wait_until  # noqa: E402
 
 from ttserve.control_client import ControlClient  # noqa: E402
 from ttserve.protocol import CALL_METADATA  # noqa: E402
@@ -279,15 +282,7 @@ class TappedStack:
 
 def total(metrics_text: str, name: str, **labels: str) -> float:
     """The sum of every sample of `name` whose labels include `labels` (0 when none)."""
-    out = 0.0
-    for line in metrics_text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)$", line)
-        if not match or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(3) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            out += float(match.group(4))
-    return out
+    return sum(samples(metrics_text, name, **labels))
 
 
 def by_label(metrics_text: str, name: str, label: str) -> dict[str, float]:
@@ -425,10 +420,24 @@ def step_figures(steps: list[dict], control_before: str, control_after: str, wor
     }
 
 
-def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds: int) -> dict:
-    """`rounds` rounds of N concurrent image requests on one stack with the default
-    --max-held-bytes; each round starts once the previous one has finished."""
-    stack = TappedStack(tmp, model, CONTROL_FLAGS)
+@dataclass
+class Run:
+    """One phase's stack, samplers and client, with the figures read before any request."""
+    stack: "TappedStack"
+    sampler: "RssSampler"
+    client: ControlClient
+    tracker: "Tracker"
+    base: dict
+    hwm: dict
+    control_before: str
+    worker_before: str
+    first_step: int
+
+
+@contextlib.contextmanager
+def measured(tmp: Path, model: Path, control_flags: tuple[str, ...]) -> Iterator[Run]:
+    """A tapped stack with an RSS sampler and a client, its baseline taken; closed on the way out."""
+    stack = TappedStack(tmp, model, control_flags)
     sampler = RssSampler(stack.pids)
     client = ControlClient(stack.stack.control_address)
     try:
@@ -436,7 +445,18 @@ def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds
         control_before, worker_before = stack.metrics()
         first_step = stack.tap.count()
         sampler.reset()
-        tracker = Tracker(client)
+        yield Run(stack, sampler, client, Tracker(client), base, hwm, control_before, worker_before, first_step)
+    finally:
+        client.close()
+        sampler.close()
+        stack.close()
+
+
+def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds: int) -> dict:
+    """`rounds` rounds of N concurrent image requests on one stack with the default
+    --max-held-bytes; each round starts once the previous one has finished."""
+    with measured(tmp, model, CONTROL_FLAGS) as run:
+        stack, sampler, client, tracker = run.stack, run.sampler, run.client, run.tracker
         per_round, started = [], time.perf_counter()
         for r in range(rounds):
             round_peak = RssSampler(stack.pids)
@@ -457,7 +477,7 @@ def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds
         peak = {name: max(v, *(r[name]["peak_mib"] for r in per_round)) for name, v in sampler.peak().items()}
         after = settled_rss(stack.pids)
         control_after, worker_after = stack.metrics()
-        steps = stack.tap.since(first_step)
+        steps = stack.tap.since(run.first_step)
         report = {
             "requests": n * rounds, "rounds": rounds, "admitted": len(tracker.admitted()),
             "refused": [a.message for a in tracker.refused()],
@@ -465,30 +485,19 @@ def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds
             "not_length": {rid: (FINISH.Name(r[0]), r[1]) for rid, r in tracker.finished.items()
                            if r[0] != FINISH.FINISH_REASON_LENGTH},
             "wall_s": round(wall, 1),
-            "rss": memory(stack, base, peak, hwm, after),
+            "rss": memory(stack, run.base, peak, run.hwm, after),
             "rss_per_round": per_round,
-            "steps": step_figures(steps, control_before, control_after, worker_before, worker_after),
+            "steps": step_figures(steps, run.control_before, control_after, run.worker_before, worker_after),
             "health": health(control_after),
         }
-    finally:
-        client.close()
-        sampler.close()
-        stack.close()
     return report
 
 
 def phase_held_bytes(tmp: Path, model: Path, factory: RequestFactory, limit: int, cap: int) -> dict:
     """Requests sent one after another (each once the previous one's verdict is in) until the
     control plane refuses one, on a stack with --max-held-bytes `limit`."""
-    stack = TappedStack(tmp, model, (*CONTROL_FLAGS, "--max-held-bytes", str(limit)))
-    sampler = RssSampler(stack.pids)
-    client = ControlClient(stack.stack.control_address)
-    try:
-        base, hwm = baseline(stack)
-        control_before, worker_before = stack.metrics()
-        first_step = stack.tap.count()
-        sampler.reset()
-        tracker = Tracker(client)
+    with measured(tmp, model, (*CONTROL_FLAGS, "--max-held-bytes", str(limit))) as run:
+        stack, sampler, client, tracker = run.stack, run.sampler, run.client, run.tracker
         sent, size = [], 0
         for i in range(cap):
             add = factory.make(f"held-{i}", seed=100 + i)
@@ -504,7 +513,7 @@ def phase_held_bytes(tmp: Path, model: Path, factory: RequestFactory, limit: int
         peak = sampler.peak()
         after = settled_rss(stack.pids)
         control_after, worker_after = stack.metrics()
-        steps = stack.tap.since(first_step)
+        steps = stack.tap.since(run.first_step)
         refusals = tracker.refused()
         report = {
             "max_held_bytes": limit, "request_mib": round(size / MIB, 2), "sent": len(sent),
@@ -516,14 +525,10 @@ def phase_held_bytes(tmp: Path, model: Path, factory: RequestFactory, limit: int
             "not_length": {rid: (FINISH.Name(r[0]), r[1]) for rid, r in tracker.finished.items()
                            if r[0] != FINISH.FINISH_REASON_LENGTH},
             "requests_refused_metric": by_label(control_after, "ttserve_requests_refused_total", "reason"),
-            "rss": memory(stack, base, peak, hwm, after),
-            "steps": step_figures(steps, control_before, control_after, worker_before, worker_after),
+            "rss": memory(stack, run.base, peak, run.hwm, after),
+            "steps": step_figures(steps, run.control_before, control_after, run.worker_before, worker_after),
             "health": health(control_after),
         }
-    finally:
-        client.close()
-        sampler.close()
-        stack.close()
     return report
 
 

@@ -53,17 +53,21 @@ def get(url: str, timeout: float = 10) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-def sample(metrics_text: str, name: str, **labels: str) -> float | None:
-    """The value of one sample in Prometheus text format (labels matched as a subset); None
-    when no sample matches."""
+def samples(metrics_text: str, name: str, **labels: str) -> Iterator[float]:
+    """The values of the samples of `name` in Prometheus text format whose labels include
+    `labels` (matched as a subset), in order."""
     for line in metrics_text.splitlines():
         match = re.match(r"^([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)$", line)
         if not match or match.group(1) != name:
             continue
         found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(3) or ""))
         if all(found.get(k) == v for k, v in labels.items()):
-            return float(match.group(4))
-    return None
+            yield float(match.group(4))
+
+
+def sample(metrics_text: str, name: str, **labels: str) -> float | None:
+    """The value of the first matching sample (`samples`); None when no sample matches."""
+    return next(samples(metrics_text, name, **labels), None)
 
 
 def metric(url: str, name: str, **labels: str) -> float | None:
