@@ -1,6 +1,10 @@
 """The KV block pool of one lane: lane-local block ids, reference counts, exact accounting,
 and the prefix cache over it.
 
+The pool is the only writer of a request's block table (`Request.block_ids`, and
+`num_published_blocks`, how many of them the prefix cache holds): `assign`, `grow`, `publish`,
+`release`.
+
 Invariants (checked by `check`):
 - a block is in the free list iff its reference count is 0; free + used = total;
 - a cached block (one with a hash) is either in use, or free and reusable by a later hit until
@@ -10,7 +14,10 @@ Invariants (checked by `check`):
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from .request import Request
 
 
 class BlockPool:
@@ -60,6 +67,35 @@ class BlockPool:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free[block_id] = None
+
+    # ---- block tables --------------------------------------------------------------------
+    def assign(self, request: Request, hits: list[int]) -> None:
+        """A request starts on this lane with its prefix-cache hits as its first blocks."""
+        assert not request.block_ids
+        self.take(hits)
+        request.block_ids = list(hits)
+        request.num_published_blocks = len(hits)
+
+    def grow(self, request: Request, num_blocks: int) -> list[int]:
+        """Append `num_blocks` new blocks to its table; returns their ids."""
+        new_ids = self.allocate(num_blocks)
+        request.block_ids += new_ids
+        return new_ids
+
+    def publish(self, request: Request) -> None:
+        """Its blocks that just became full and computed join the prefix cache."""
+        full = request.num_computed_tokens // self.block_size
+        if self.enable_caching and full > request.num_published_blocks:
+            hashes = request.full_block_hashes(self.block_size, request.num_computed_tokens)
+            for i in range(request.num_published_blocks, full):
+                self.cache(request.block_ids[i], hashes[i])
+            request.num_published_blocks = full
+
+    def release(self, request: Request) -> None:
+        """Give its blocks back, tail first (see `free`)."""
+        self.free(reversed(request.block_ids))
+        request.block_ids = []
+        request.num_published_blocks = 0
 
     # ---- prefix cache --------------------------------------------------------------------
     def lookup(self, hashes: list[int]) -> list[int]:

@@ -139,7 +139,7 @@ class Engine:
             queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_OVERLOADED, overloaded))
             return
         request, unsupported = request_from_pb(add, client_id)
-        request.received_time = time.monotonic()
+        request.record_received(time.monotonic())
         try:
             if request.request_id in self.requests:
                 raise AdmissionError(f"request id {request.request_id!r} is already in use")
@@ -155,7 +155,7 @@ class Engine:
         self.requests[request.request_id] = request
         self._ledger.add(request)
         if request.grammar_spec is not None:
-            request.ready = False  # waits aside until its grammar has compiled
+            request.await_grammar()
             self._compile(request)
         self.workers[placed.worker].admit(request, placed.index)
         queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_ACCEPTED))
@@ -466,7 +466,7 @@ class Engine:
             if handed_off:
                 self._handed_off.add(request.request_id)
             else:
-                request.num_migrations += 1
+                request.migrated()
             self._migrating.append(request)
             self._expiry[request.request_id] = loop.call_later(self.config.migration_timeout_s,
                                                                self._migration_expired, request, reason)

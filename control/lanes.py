@@ -47,7 +47,7 @@ class GroupPlan:
     @property
     def samples_on_host(self) -> bool:
         """Some decode row samples on the host (Request.samples_on_host)."""
-        return any(w.request.samples_on_host() for lane in self.lanes for w in lane.decode)
+        return any(w.samples_on_host for lane in self.lanes for w in lane.decode)
 
 
 class LaneGroup:
@@ -124,17 +124,23 @@ class LaneGroup:
         return [plans[i] if i in plans else lane.plan(StepKind.EMPTY if ran else kind, c, payload)
                 for i, (lane, c) in enumerate(zip(self.lanes, carry))]
 
-    def followup(self, previous: GroupPlan) -> GroupPlan | None:
-        """The next decode step of an unchanged group, before `previous` returns (async
-        decode); None when any lane needs the pipeline drained."""
-        if previous.kind is not StepKind.DECODE or any(r.isolated for lane in self.lanes for r in lane.running):
+    def schedule_ahead(self, in_flight: GroupPlan) -> GroupPlan | None:
+        """The next decode step, planned while `in_flight` (a pipelined decode) has not returned
+        (async decode), by the same planner as every step; None when some lane needs the
+        pipeline drained first (Scheduler.pipelined_rows) or no row would run."""
+        if in_flight.kind is not StepKind.DECODE:
             return None
-        dry = [lane.followup(p, commit=False) for lane, p in zip(self.lanes, previous.lanes)]
-        if any(p is None for p in dry) or not any(p.decode for p in dry):
+        rows = [lane.pipelined_rows(p) for lane, p in zip(self.lanes, in_flight.lanes)]
+        if None in rows or not sum(rows):
             return None
-        plans = [lane.followup(p) for lane, p in zip(self.lanes, previous.lanes)]
+        plans = [lane.plan(StepKind.DECODE) for lane in self.lanes]
+        assert [len(p.decode) for p in plans] == rows, "pipelined_rows and plan disagree"
         self.policy.record(StepKind.DECODE, True)
         return GroupPlan(StepKind.DECODE, plans)
+
+    def release(self) -> list[Request]:
+        """Tear the group down: every lane gives up what it holds (Scheduler.release)."""
+        return [r for lane in self.lanes for r in lane.release()]
 
     def update(self, plan: GroupPlan, sampled: dict[str, int],
                logprobs: dict[str, TokenLogprobs] | None = None,

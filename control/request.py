@@ -1,4 +1,17 @@
-"""A request as the control plane tracks it: token ids in, token ids out."""
+"""A request as the control plane tracks it: token ids in, token ids out.
+
+Its fields change only through the named transitions below, each the one writer of the fields it
+names (tests/test_ownership.py checks it), called by whoever holds the request at the time: its
+lane's `Scheduler` while it is on a lane, the engine while it is on none (arriving, migrating).
+Two exceptions, written elsewhere by design: the block table (`block_ids`, `num_published_blocks`)
+is written only by its lane's `BlockPool` (control/blocks.py), and the client-facing progress
+(`num_sent_tokens`, `unsent_logprobs`) and lifecycle times by `mark_sent` and the `record_*`
+events, here too.
+
+    WAITING --started--> RUNNING --finish--> FINISHED
+       ^                    |
+       +--preempted/requeued+   (device state dropped: it recomputes from its tokens)
+"""
 from __future__ import annotations
 
 import enum
@@ -80,9 +93,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Invariant: KV of all_token_ids[:num_computed_tokens] is in the blocks of block_ids.
     num_computed_tokens: int = 0
+    # Sampling rows planned for it whose results have not been applied: 1 while a step that
+    # samples it runs, 2 while a pipelined decode (async decode) runs ahead of that one. Its next
+    # decode feeds position num_tokens - 1 + num_in_flight (vLLM V1's output placeholders).
+    num_in_flight: int = 0
     # The prefill since the last (re)admission has sampled: the request decodes from now on.
     prefilled: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)   # written by its lane's BlockPool alone
     # Where it runs, chosen at arrival and never changed: worker index and lane within it.
     worker: int = 0
     lane: int = 0
@@ -163,6 +180,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """The steps in flight certainly end it (max_tokens or max_model_len), whatever they
+        sample: a step planned now would only fill a row whose result is dropped."""
+        return (len(self.output_token_ids) + self.num_in_flight >= self.sampling.max_tokens
+                or self.num_tokens + self.num_in_flight >= max_model_len)
+
+    # ---- transitions ---------------------------------------------------------------------------
+    def placed(self, worker: int, lane: int) -> None:
+        """It joins a lane of a worker (at admission, or moved off another worker)."""
+        self.worker, self.lane = worker, lane
+
+    def await_grammar(self) -> None:
+        """Its grammar compiles: it waits aside, never scheduled, until grammar_ready."""
+        self.ready = False
+
     def grammar_ready(self, grammar: Grammar) -> None:
         """Its grammar compiled: it may be scheduled (it waited aside until now)."""
         self.grammar, self.ready = grammar, True
@@ -181,10 +213,68 @@ class Request:
         if self.num_failed_steps < POISON_FAILURES:
             self.isolated = False
 
-    def finish(self, reason: FinishReason, error: str = "", invalid: bool = False) -> None:
+    def started(self, slot: int, num_computed_tokens: int) -> None:
+        """Admitted to a row of its lane, with its prefix-cache hits (num_computed_tokens) in
+        place; the first admission reports them to the client as cached."""
+        assert self.status is RequestStatus.WAITING and self.slot is None
+        self.status, self.slot, self.num_computed_tokens = RequestStatus.RUNNING, slot, num_computed_tokens
+        if self.num_preemptions == 0:
+            self.num_cached_tokens = num_computed_tokens
+
+    def planned(self) -> None:
+        """A step that samples its next token was planned (its result applies with `sampled`)."""
+        self.num_in_flight += 1
+
+    def images_sent(self, count: int) -> None:
+        """`count` more of its images travel to its device state with the chunk just planned."""
+        self.num_sent_images += count
+
+    def computed(self, num_computed_tokens: int) -> None:
+        """A step's chunk or decode token landed: KV holds its first `num_computed_tokens` tokens."""
+        assert self.status is RequestStatus.RUNNING
+        self.num_computed_tokens = num_computed_tokens
+
+    def sampled(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """A planned step sampled its next token (with logprobs when it asked for them): it
+        decodes from now on."""
+        assert self.num_in_flight > 0, "a token arrived for a step that was never planned"
+        self.num_in_flight -= 1
+        self.prefilled = True
+        if logprobs is not None:
+            self.unsent_logprobs.append(logprobs)
+        self.output_token_ids.append(token_id)
+
+    def dropped(self) -> None:
+        """Its device state is gone (its lane gave back its row and blocks): images are sent
+        again to whatever state it gets next, and no step in flight applies to it any more."""
+        self.slot = None
+        self.num_sent_images = 0
+        self.num_in_flight = 0
+
+    def requeued(self) -> None:
+        """Back to waiting with nothing on any device (after `dropped`): it recomputes from its
+        prompt and the tokens it has, and the client sees none twice."""
+        assert self.slot is None and not self.block_ids
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.prefilled = False
+
+    def preempted(self) -> None:
+        """Requeued because its lane's KV cache ran out (counted: metrics and the request log)."""
+        self.requeued()
+        self.num_preemptions += 1
+
+    def migrated(self) -> None:
+        """It moves off a lost worker (counted against --migration-limit)."""
+        self.num_migrations += 1
+
+    def finish(self, reason: FinishReason, error: str = "", invalid: bool = False,
+               stop_token_id: int | None = None) -> None:
         """Mark it finished; whoever held its slot and blocks has given them back. `invalid`:
-        the error is the request's own (Request.invalid)."""
+        the error is the request's own (Request.invalid); `stop_token_id`: the stop token (not
+        EOS) it ended on."""
         self.status, self.finish_reason, self.error, self.invalid = RequestStatus.FINISHED, reason, error, invalid
+        self.stop_token_id = stop_token_id
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Chained hashes (prefix_hash.py) of the full blocks within its first `num_tokens`
@@ -208,13 +298,16 @@ class Request:
             return tuple(outputs[start - len(prompt):end - len(prompt)])
         return tuple(prompt[start:]) + tuple(outputs[:end - len(prompt)])
 
-    def samples_on_host(self, in_flight: int = 0) -> bool:
-        """Its next token is sampled on the host, so its batch cannot be pipelined: its options
-        or grammar need the host sampler, or min_tokens still masks its EOS (counting the
-        `in_flight` tokens sampled but not yet seen). The one statement of this rule."""
-        return self.needs_host_sampler or self.sampling.min_tokens > len(self.output_token_ids) + in_flight
+    def samples_on_host(self) -> bool:
+        """The next token planned for it is sampled on the host, so its batch cannot be
+        pipelined: its options or grammar need the host sampler, or min_tokens still masks its
+        EOS (counting the tokens in flight). The one statement of this rule."""
+        return self.needs_host_sampler or self.sampling.min_tokens > len(self.output_token_ids) + self.num_in_flight
 
     # ---- events ----------------------------------------------------------------------------
+    def record_received(self, now: float) -> None:
+        self.received_time = now
+
     def record_scheduled(self, now: float) -> None:
         if self.scheduled_time is None:
             self.scheduled_time = now

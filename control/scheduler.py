@@ -2,7 +2,10 @@
 prefix-cache hits.
 
 Lane-local state only: its own waiting and running queues, block pool and slots, so a lane
-coordinator can run several of these side by side.
+coordinator can run several of these side by side. `plan` is the one planner of every step,
+synchronous or pipelined (async decode plans a decode before the one in flight returns, counting
+its token as in flight: Request.num_in_flight); it is also the only call that changes the queues
+while planning. Everything else that asks (`wants_prefill`, `pipelined_rows`, ...) only reads.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ class Scheduler:
         assert request.status is RequestStatus.WAITING
         self.waiting.append(request)
 
-    def finish(self, request: Request, reason: FinishReason, error: str = "", invalid: bool = False) -> None:
+    def finish(self, request: Request, reason: FinishReason, error: str = "", invalid: bool = False,
+               stop_token_id: int | None = None) -> None:
         """End a request now (abort, error or stop): blocks and slot are free for the next step."""
         if request.is_finished:
             return
@@ -73,20 +77,25 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self.skipped.remove(request)
-        request.finish(reason, error, invalid)
+        request.finish(reason, error, invalid, stop_token_id)
 
     def adopt(self, request: Request) -> None:
-        """A request migrated from a lost worker's lane: it joins the head of the queue with
-        nothing on any device and recomputes from prompt + the tokens it has, as a preempted
-        request resumes (the client has seen those tokens and sees no others twice)."""
-        request.status = RequestStatus.WAITING
-        request.block_ids = []
-        request.num_published_blocks = 0
-        request.num_computed_tokens = 0
-        request.num_sent_images = 0
-        request.prefilled = False
-        request.slot = None
+        """A request another lane gave up (`release`: its worker was lost, drained or failed a
+        step) joins the head of the queue and recomputes from prompt + the tokens it has, as a
+        preempted request resumes (the client has seen those tokens and sees no others twice)."""
+        assert request.status is RequestStatus.WAITING and request.slot is None and not request.block_ids
         self.waiting.appendleft(request)
+
+    def release(self) -> list[Request]:
+        """Give up every request this lane holds (its lane group is torn down): rows and blocks
+        go back, and each is requeued with nothing on any device, ready for another lane to
+        adopt. Returns them, running ones first, each queue in its order."""
+        held = [*self.running, *self.waiting, *self.skipped]
+        for request in self.running:
+            self._evict(request)
+            request.requeued()
+        self.running, self.waiting, self.skipped = [], deque(), deque()
+        return held
 
     @property
     def num_waiting(self) -> int:
@@ -99,14 +108,18 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------------
     def wants_prefill(self) -> bool:
-        """Some prefill can run now: a partial prefill, or an admissible head of the queue.
-        (Moves requests that are not ready aside first.)"""
-        self._set_aside()
+        """Some prefill can run now: a partial prefill, or an admissible head of the queue."""
         if any(r.is_prefilling for r in self.running):
             return True
-        if not self.waiting or not self._free_slots:
+        head = self._head()
+        if head is None or not self._free_slots:
             return False
-        return self._admission(self.waiting[0], self.config.max_num_batched_tokens) is not None
+        return self._admission(head, self.config.max_num_batched_tokens) is not None
+
+    def _head(self) -> Request | None:
+        """The request admission would take next: the first ready one, those set aside before
+        the queue (they arrived first; `_set_aside` puts them back there)."""
+        return next((r for q in (self.skipped, self.waiting) for r in q if r.ready), None)
 
     def has_decodes(self) -> bool:
         return any(not r.is_prefilling for r in self.running)
@@ -119,8 +132,8 @@ class Scheduler:
             partial = next((r for r in self.running if r.is_prefilling and r.isolated), None)
             if partial is not None:
                 return partial
-            self._set_aside()
-            return self.waiting[0] if self.waiting and self.waiting[0].isolated else None
+            head = self._head()
+            return head if head is not None and head.isolated else None
         if kind is StepKind.DECODE:
             return min((r for r in self.running if r.isolated and not r.is_prefilling),
                        key=lambda r: len(r.output_token_ids), default=None)
@@ -150,48 +163,34 @@ class Scheduler:
         self._released = []
         return plan
 
-    def followup(self, previous: StepPlan, commit: bool = True) -> StepPlan | None:
-        """The next decode step of an unchanged batch, planned before `previous` has returned
-        (async decode), or None when the pipeline must drain first.
+    def pipelined_rows(self, previous: StepPlan) -> int | None:
+        """How many rows this lane's next decode would run if planned now, while `previous` (its
+        slice of a pipelined decode) is still in flight; None when the pipeline must drain first.
 
-        Each request feeds the token the worker sampled in `previous` (still on the device) one
-        position further. It holds only while nothing else wants the lane (no prefill, no new
-        decoder), no request needs the host sampler, and blocks are free without preempting.
-        Requests that `previous` will certainly finish (max_tokens, max_model_len) drop out;
-        ones it finishes by a stop token are dropped when its result arrives (rows go empty:
-        the traced shape does not change). With commit=False nothing changes: the answer says
-        whether a committed call (with no events between) would succeed.
+        The next decode feeds each request the token `previous` sampled (still on the device) one
+        position further. That holds only while nothing else wants the lane (no prefill, no new
+        decoder, nobody isolated), no request samples on the host, and blocks are free without
+        preempting. Requests the steps in flight certainly end (max_tokens, max_model_len) get no
+        row; ones they end by a stop token are dropped when that result arrives (rows go empty:
+        the traced shape does not change). Only reads: `plan` then plans the step.
         """
-        if self.wants_prefill():
+        if self.wants_prefill() or any(r.isolated for r in self.running):
             return None
-        carried = [w for w in previous.decode if w.request.status is RequestStatus.RUNNING]
-        if {id(w.request) for w in carried} != {id(r) for r in self.running if not r.is_prefilling}:
+        decoders = [r for r in self.running if not r.is_prefilling]
+        carried = {id(w.request) for w in previous.decode if w.request.status is RequestStatus.RUNNING}
+        if carried != {id(r) for r in decoders}:
             return None
-        plan = StepPlan(kind=StepKind.DECODE, lane=self.lane)
-        needed = 0
-        for work in carried:
-            request, position = work.request, work.position + 1
-            in_flight = position - (request.num_tokens - 1)  # tokens sampled but not yet seen
-            if (len(request.output_token_ids) + in_flight >= request.sampling.max_tokens
-                    or position + 1 > self.config.max_model_len):
-                continue  # `previous` ends it
-            if request.samples_on_host(in_flight):
+        rows = needed = 0
+        for request in decoders:
+            blocks = self._decode_blocks(request)
+            if blocks is None:
+                continue
+            if request.samples_on_host():
                 # Penalties, bad words, logprobs and grammars read every token so far, and
                 # min_tokens masks its EOS: no device-resident pipeline.
                 return None
-            needed += max(self.pool.blocks_for(position + 1) - len(request.block_ids), 0)
-            plan.decode.append(DecodeWork(request, None, position, []))
-        if not self.pool.can_allocate(needed):
-            return None
-        if commit:
-            for work in plan.decode:
-                work.new_block_ids = self.pool.allocate(max(
-                    self.pool.blocks_for(work.position + 1) - len(work.request.block_ids), 0))
-                work.request.block_ids += work.new_block_ids
-            plan.released_ids, self._released = self._released, []
-        if not plan.decode:
-            plan.kind = StepKind.EMPTY
-        return plan
+            rows, needed = rows + 1, needed + blocks
+        return rows if self.pool.can_allocate(needed) else None
 
     @staticmethod
     def _mask(plan: StepPlan) -> None:
@@ -258,7 +257,7 @@ class Scheduler:
         if not request.images:
             return []
         sent = images.unsent(request.images, request.num_sent_images, end)
-        request.num_sent_images += len(sent)
+        request.images_sent(len(sent))
         return sent
 
     def _fill_prefill(self, plan: StepPlan, payload: images.PayloadBudget, alone: Request | None) -> None:
@@ -314,27 +313,25 @@ class Scheduler:
         self.waiting.popleft()
         self._start(request, plan, hits)
         start = request.num_computed_tokens
-        new_ids = self.pool.allocate(new_blocks)
-        request.block_ids += new_ids
-        plan.prefill.append(PrefillWork(request, start, end, hits + new_ids,
-                                        sample=end == request.num_tokens,
-                                        images=self._images_for(request, end)))
+        new_ids = self.pool.grow(request, new_blocks)
+        self._plan_chunk(plan, PrefillWork(request, start, end, hits + new_ids, sample=end == request.num_tokens,
+                                           images=self._images_for(request, end)))
         return end - start
+
+    @staticmethod
+    def _plan_chunk(plan: StepPlan, work: PrefillWork) -> None:
+        if work.sample:
+            work.request.planned()
+        plan.prefill.append(work)
 
     def _start(self, request: Request, plan: StepPlan, hits: list[int]) -> None:
         """Move an admitted request to running with its prefix-cache hits in place."""
-        request.status = RequestStatus.RUNNING
-        request.slot = heapq.heappop(self._free_slots)
+        if request.num_preemptions == 0 and self.pool.enable_caching:
+            self.pool.record_query(max(request.num_tokens - 1, 0) // self.pool.block_size, len(hits))
+        request.started(heapq.heappop(self._free_slots), len(hits) * self.pool.block_size)
+        self.pool.assign(request, hits)
         self.running.append(request)
         plan.new_requests.append(request)
-        self.pool.take(hits)
-        request.block_ids = list(hits)
-        request.num_published_blocks = len(hits)
-        request.num_computed_tokens = len(hits) * self.pool.block_size
-        if request.num_preemptions == 0:
-            request.num_cached_tokens = request.num_computed_tokens
-            if self.pool.enable_caching:
-                self.pool.record_query(max(request.num_tokens - 1, 0) // self.pool.block_size, len(hits))
 
     def _continue_chunk(self, plan: StepPlan, request: Request, budget: int,
                         payload: images.PayloadBudget) -> int:
@@ -351,10 +348,9 @@ class Scheduler:
         if not self._make_room(request, needed, preempt_self=False):
             return 0
         payload.take(carried)
-        new_ids = self.pool.allocate(needed)
-        request.block_ids += new_ids
-        plan.prefill.append(PrefillWork(request, start, end, new_ids, sample=end == request.num_tokens,
-                                        images=self._images_for(request, end)))
+        new_ids = self.pool.grow(request, needed)
+        self._plan_chunk(plan, PrefillWork(request, start, end, new_ids, sample=end == request.num_tokens,
+                                           images=self._images_for(request, end)))
         return end - start
 
     def _make_room(self, request: Request, needed: int, preempt_self: bool = True) -> bool:
@@ -389,25 +385,33 @@ class Scheduler:
         for request in requests:
             if request.status is not RequestStatus.RUNNING or request.is_prefilling:
                 continue
-            needed = self.pool.blocks_for(request.num_tokens) - len(request.block_ids)
-            if not self._make_room(request, needed):
+            needed = self._decode_blocks(request)
+            if needed is None or not self._make_room(request, needed):
                 continue
-            new_ids = self.pool.allocate(needed)
-            request.block_ids += new_ids
-            plan.decode.append(DecodeWork(request, request.output_token_ids[-1],
-                                          request.num_tokens - 1, new_ids))
+            # With a token in flight the worker feeds the one it sampled (still on the device).
+            in_flight = request.num_in_flight
+            work = DecodeWork(request, None if in_flight else request.output_token_ids[-1],
+                              request.num_tokens - 1 + in_flight, self.pool.grow(request, needed),
+                              samples_on_host=request.samples_on_host())
+            request.planned()
+            plan.decode.append(work)
         # A victim may have been planned before it was preempted: drop it from this step.
         plan.decode = [w for w in plan.decode if w.request.status is RequestStatus.RUNNING]
+
+    def _decode_blocks(self, request: Request) -> int | None:
+        """New blocks the request's next decode needs, or None when the steps in flight
+        certainly end it (it gets no row)."""
+        if request.ends_in_flight(self.config.max_model_len):
+            return None
+        position = request.num_tokens - 1 + request.num_in_flight
+        return max(self.pool.blocks_for(position + 1) - len(request.block_ids), 0)
 
     def _preempt(self, request: Request) -> None:
         """Back to the head of waiting with nothing on the device; it recomputes on resume
         (from its cached prefix blocks, when they survive)."""
         self.running.remove(request)
         self._evict(request)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.prefilled = False
-        request.num_preemptions += 1
+        request.preempted()
         self.num_preemptions += 1
         log.info("preempted request %s on lane %d: the KV cache is full (%d blocks); it will "
                  "recompute %d tokens (%d preemptions so far)", request.request_id, self.lane,
@@ -415,14 +419,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _evict(self, request: Request) -> None:
-        self.pool.free(reversed(request.block_ids))
-        request.block_ids = []
-        request.num_published_blocks = 0
-        request.num_sent_images = 0  # its device state goes: a resumed request sends them again
-        if request.slot is not None:  # it has device state: the worker drops it with the next step
+        """Its row and blocks go back; the worker drops its device state with the next step."""
+        self.pool.release(request)
+        if request.slot is not None:
             heapq.heappush(self._free_slots, request.slot)
-            request.slot = None
             self._released.append(request.request_id)
+        request.dropped()
 
     # ---- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[str, int],
@@ -443,46 +445,34 @@ class Scheduler:
             request = work.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = work.end
-            self._publish_blocks(request)
+            request.computed(work.end)
+            self.pool.publish(request)
             if work.sample:
-                request.prefilled = True
                 self._append(request, sampled[request.request_id], logprobs, changed)
         for work in plan.decode:
             request = work.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens = work.position + 1
-            self._publish_blocks(request)
+            request.computed(work.position + 1)
+            self.pool.publish(request)
             if request.isolated:
                 request.step_succeeded()
             self._append(request, sampled[request.request_id], logprobs, changed)
         return changed
 
-    def _publish_blocks(self, request: Request) -> None:
-        """Blocks that just became full and computed join the prefix cache."""
-        full = request.num_computed_tokens // self.pool.block_size
-        if self.pool.enable_caching and full > request.num_published_blocks:
-            hashes = request.full_block_hashes(self.pool.block_size, request.num_computed_tokens)
-            for i in range(request.num_published_blocks, full):
-                self.pool.cache(request.block_ids[i], hashes[i])
-            request.num_published_blocks = full
-
     def _append(self, request: Request, token_id: int, logprobs: dict[str, TokenLogprobs],
                 changed: list[Request]) -> None:
         changed.append(request)
-        if request.sampling.logprobs is not None:
-            token_logprobs = logprobs.get(request.request_id)
-            if token_logprobs is None:
-                self.finish(request, FinishReason.ERROR, "the worker returned a token without the "
-                            "logprobs the request asked for")
-                return
-            request.unsent_logprobs.append(token_logprobs)
-        request.output_token_ids.append(token_id)
+        token_logprobs = logprobs.get(request.request_id) if request.sampling.logprobs is not None else None
+        if request.sampling.logprobs is not None and token_logprobs is None:
+            self.finish(request, FinishReason.ERROR, "the worker returned a token without the "
+                        "logprobs the request asked for")
+            return
+        request.sampled(token_id, token_logprobs)
         stop = check_stop(request, self.config.max_model_len)
         if stop is not None:
-            reason, request.stop_token_id = stop
-            self.finish(request, reason)
+            reason, stop_token_id = stop
+            self.finish(request, reason, stop_token_id=stop_token_id)
         elif request.grammar is not None:
             self._advance_grammar(request, token_id)
 

@@ -86,6 +86,16 @@ class StepFailure:
 
 
 @dataclass(slots=True)
+class InFlight:
+    """A step sent and not answered yet. The control side's whole pipeline state is a deque of
+    these (at most two: a pipelined decode and the one planned ahead of it) plus each request's
+    Request.num_in_flight."""
+    plan: GroupPlan | None   # None: an empty flush, which returns the pipelined step before it
+    pipelined: bool          # the worker may keep this decode running ahead of its result
+    sent: float              # time.monotonic() when sent
+
+
+@dataclass(slots=True)
 class LaneLoad:
     """A lane's queues and KV blocks, as metrics and server info report them."""
     lane: int
@@ -169,14 +179,14 @@ class WorkerGroup:
 
     def admit(self, request: Request, lane: int) -> None:
         assert self.lane_group is not None
-        request.worker, request.lane = self.index, lane
+        request.placed(self.index, lane)
         self.lane_group.lanes[lane].add(request)
         self.wake()
 
     def adopt(self, request: Request, lane: int) -> None:
-        """Take over a request migrated from a lost worker (Scheduler.adopt)."""
+        """Take over a request another lane group gave up (Scheduler.adopt)."""
         assert self.lane_group is not None
-        request.worker, request.lane = self.index, lane
+        request.placed(self.index, lane)
         self.lane_group.lanes[lane].adopt(request)
         self.wake()
 
@@ -256,17 +266,13 @@ class WorkerGroup:
 
     def release(self) -> list[Request]:
         """Tear the lane group down (the link too); returns the requests it held."""
-        held = self._held(self.lane_group) if self.lane_group is not None else []
+        held = self.lane_group.release() if self.lane_group is not None else []
         if self.lane_group is not None:
             self._retired.add(self.lane_group)
         self.lane_group = self._warm = None
         self.connected = False
         self.warmup_progress = 0.0
         return held  # a stall outlives the link: it ends when the worker warms up again (connect)
-
-    @staticmethod
-    def _held(group: LaneGroup) -> list[Request]:
-        return [r for lane in group.lanes for r in (*lane.running, *lane.waiting, *lane.skipped)]
 
     async def close(self) -> None:
         if self._link is not None:
@@ -329,8 +335,7 @@ class WorkerGroup:
         group, link = self.lane_group, self._link
         assert group is not None and link is not None
         ended = asyncio.ensure_future(link.ended())
-        # (plan or None for a flush, pipelined, time sent)
-        in_flight: deque[tuple[GroupPlan | None, bool, float]] = deque()
+        in_flight: deque[InFlight] = deque()
         try:
             while True:
                 if not in_flight:
@@ -348,10 +353,11 @@ class WorkerGroup:
                     pipelined = (self.async_decode and plan.kind is StepKind.DECODE
                                  and not plan.samples_on_host)
                     await self._send(link, plan, pipelined, in_flight)
-                newest, pipelined, _ = in_flight[-1]
-                if pipelined and len(in_flight) == 1:
+                newest = in_flight[-1]
+                if newest.pipelined and len(in_flight) == 1:
                     # A draining worker gets the empty flush that returns its pipelined step.
-                    follow = group.followup(newest) if not link.drain_notice.is_set() else None
+                    assert newest.plan is not None
+                    follow = group.schedule_ahead(newest.plan) if not link.drain_notice.is_set() else None
                     if follow is None:
                         reason = "worker_draining" if link.drain_notice.is_set() else self._drain_reason(group)
                         self.metrics.drains.labels(self.name, reason).inc()
@@ -371,11 +377,12 @@ class WorkerGroup:
                     assert group is not None
                     continue
                 self._failures_in_a_row = 0
-                plan, _, sent = in_flight.popleft()
+                done = in_flight.popleft()
+                plan = done.plan
                 if plan is not None:
                     self.num_steps += 1
                     self.metrics.step(self.name, plan.kind, outcome.traced, outcome.sampled_on_device,
-                                      outcome.total_s, time.monotonic() - sent)
+                                      outcome.total_s, time.monotonic() - done.sent)
                     yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs,
                                                                 outcome.refused))
         except WorkerError as e:
@@ -388,13 +395,13 @@ class WorkerGroup:
         raise WorkerDraining(f"worker {self.name} at {self.address} is shutting down", self.release())
 
     async def _step_failed(self, link: WorkerLink, failure: StepFailed,
-                           in_flight: deque[tuple[GroupPlan | None, bool, float]]) -> StepFailure:
+                           in_flight: deque[InFlight]) -> StepFailure:
         """The worker dropped its device state after `failure`: the results of the other steps
         in flight are taken and not applied, and the lane group starts anew on the same stream."""
         # With a pipelined decode the fault may surface in the next step's launch: every step in
         # flight is suspect.
-        failed = {id(w.request): w.request for plan, _, _ in in_flight if plan is not None
-                  for w in (*plan.prefill, *plan.decode)}
+        failed = {id(w.request): w.request for step in in_flight if step.plan is not None
+                  for w in (*step.plan.prefill, *step.plan.decode)}
         in_flight.popleft()
         while in_flight:
             in_flight.popleft()
@@ -404,18 +411,18 @@ class WorkerGroup:
                 pass
         self.metrics.step_failures.labels(self.name).inc()
         assert self.lane_group is not None and self.description is not None
-        held = self._held(self.lane_group)
+        held = self.lane_group.release()
         self._retired.add(self.lane_group)
         self.lane_group = self._build_group(self.description, self._num_lanes, self._max_model_len, self._batched)
         return StepFailure(str(failure), failure.error, held, list(failed.values()), alone=len(failed) == 1)
 
     async def _send(self, link: WorkerLink, plan: GroupPlan | None, pipelined: bool,
-                    in_flight: deque[tuple[GroupPlan | None, bool, float]]) -> None:
+                    in_flight: deque[InFlight]) -> None:
         now = time.monotonic()
         for work in plan.prefill if plan is not None else ():
             work.request.record_scheduled(now)
         await link.send(plan, self.lane_group.max_num_seqs, pipelined)
-        in_flight.append((plan, pipelined, now))
+        in_flight.append(InFlight(plan, pipelined, now))
 
     async def _receive(self, link: WorkerLink) -> StepOutcome:
         """The next result. A worker that holds a step for --stall-timeout is stalled (logged,

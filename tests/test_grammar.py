@@ -151,7 +151,7 @@ def test_grammar_requests_are_never_pipelined(compiler):
     s.update(prefill := s.schedule(), {"g": compiler.tokenizer.tokenize_str("a")[0]})
     assert prefill.kind is StepKind.PREFILL
     decode = s.schedule()
-    assert decode.kind is StepKind.DECODE and s.followup(decode) is None
+    assert decode.kind is StepKind.DECODE and s.schedule_ahead(decode) is None
 
 
 def test_a_compiling_request_waits_aside_without_blocking_the_queue(compiler):

@@ -31,7 +31,7 @@ def group(num_lanes: int = 4, num_blocks: int = 32, block_size: int = 4, max_num
 
 def place(g: LaneGroup, request: Request) -> Scheduler:
     lane = choose_lane([Candidate(0, i, lane) for i, lane in enumerate(g.lanes)], request).lane
-    request.lane = lane.lane
+    request.placed(0, lane.lane)
     lane.add(request)
     return lane
 
@@ -224,7 +224,7 @@ def drive(g: LaneGroup, requests: list[Request], pipelined: bool) -> tuple[dict,
             in_flight.append((plan, device.run(plan)))
         if pipelined and in_flight[-1][0] is not None and in_flight[-1][0].kind is StepKind.DECODE \
                 and len(in_flight) == 1:
-            follow = g.followup(in_flight[-1][0])
+            follow = g.schedule_ahead(in_flight[-1][0])
             drains += follow is None
             assert follow is None or not any(w.request.sampling.needs_host_sampler
                                              for p in follow.lanes for w in p.decode)
@@ -259,3 +259,40 @@ def test_a_stable_batch_stays_pipelined_until_it_changes():
     reqs = [Request(str(i), [11, 12, 13], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
     _, drains = drive(g, reqs, pipelined=True)
     assert drains <= 2  # after the prefills, one stable batch decodes to the end
+
+
+def test_asking_whether_a_lane_can_prefill_or_pipeline_changes_nothing():
+    """Only `plan` changes a lane's queues: the questions the group asks before planning (and
+    before planning a pipelined step ahead) leave them as they were, whatever they answer."""
+    g = group(num_lanes=1)
+    lane = g.lanes[0]
+    decoding, compiling, ready = make("a", 3, max_tokens=10), make("b", 3), make("c", 3)
+    lane.add(decoding)
+    step(g)
+    compiling.await_grammar()  # waits aside once a plan sees it
+    lane.add(compiling)
+    lane.add(ready)
+    decode = g.schedule()
+    snapshot = (list(lane.waiting), list(lane.skipped), list(lane.running), decoding.num_in_flight)
+    assert lane.wants_prefill() and lane.pipelined_rows(decode.lanes[0]) is None
+    assert lane.isolated_candidate(StepKind.PREFILL) is None
+    assert (list(lane.waiting), list(lane.skipped), list(lane.running), decoding.num_in_flight) == snapshot
+
+
+def test_a_pipelined_decode_is_planned_by_the_same_planner_one_position_further():
+    g = group(num_lanes=2)
+    reqs = [make(str(i), 3, max_tokens=10) for i in range(3)]
+    for r in reqs:
+        place(g, r)
+    step(g)
+    first = g.schedule()
+    ahead = g.schedule_ahead(first)
+    assert ahead is not None and ahead.kind is StepKind.DECODE
+    by_id = {w.request.request_id: w for w in first.decode}
+    for w in ahead.decode:
+        assert w.token_id is None and w.position == by_id[w.request.request_id].position + 1
+    assert all(r.num_in_flight == 2 for r in reqs)
+    g.update(first, {r.request_id: 7 for r in reqs})
+    g.update(ahead, {r.request_id: 8 for r in reqs})
+    assert all(r.output_token_ids[-2:] == [7, 8] and r.num_in_flight == 0 for r in reqs)
+    assert all(r.num_computed_tokens == r.num_tokens - 1 for r in reqs)

@@ -451,10 +451,10 @@ def test_a_request_needing_the_host_sampler_is_never_pipelined():
         s.add(r)
     run_step(s)
     decode = s.schedule()
-    assert decode.kind is StepKind.DECODE and s.followup(decode) is None
+    assert decode.kind is StepKind.DECODE and s.schedule_ahead(decode) is None
     s.finish(s.running[1], FinishReason.ABORT)
     s.update(decode, {"a": 7})
-    assert s.followup(s.schedule()) is not None  # the plain request alone pipelines again
+    assert s.schedule_ahead(s.schedule()) is not None  # the plain request alone pipelines again
 
 
 def add_pb(**sampling) -> engine_pb2.AddRequest:

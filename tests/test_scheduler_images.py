@@ -166,7 +166,7 @@ def test_a_migrated_request_sends_its_images_to_its_new_worker():
     r = with_images("a", [(2, 5)], tail=2, max_tokens=5)
     s.add(r)
     assert run_step(s).prefill[0].images == r.images and r.num_sent_images == 1
-    s.lane.running.remove(r)  # its worker is lost: the engine takes it back ...
+    assert s.lane.release() == [r]  # its worker is lost: its lane gives it up ...
     other = scheduler(budget=32, block_size=4, max_model_len=64)
     other.lane.adopt(r)       # ... and another worker's lane adopts it
     assert r.num_sent_images == 0
