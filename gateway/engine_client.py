@@ -20,6 +20,8 @@ Invariants:
 - With API keys, every AddRequest names its key (rate_limits.CURRENT_KEY, set by the key
   middleware) as its `tenant`, and the key is charged for the request's tokens: its prompt once
   the control plane accepted it, its generated tokens as they arrive (rate_limits.py has the rule).
+- A request the control plane fails with a message has it recorded in the client's
+  `failure_reasons` until vLLM's serving layer asks for it (generation_errors.py).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import grpc
 
@@ -41,13 +43,15 @@ from vllm.tasks import SupportedTask  # noqa: E402
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.core_client import EngineCoreClient  # noqa: E402
+from vllm.v1.engine.output_processor import OutputProcessor  # noqa: E402
 from vllm.v1.metrics.loggers import PrometheusStatLogger  # noqa: E402
 
 from ttserve.gateway import convert  # noqa: E402
-from ttserve.gateway import generation_errors  # noqa: E402
+from ttserve.gateway import vllm_patches  # noqa: E402
 from ttserve.gateway.drain import Drain  # noqa: E402
 from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
                                     RequestRefused, record_refusal)
+from ttserve.gateway.generation_errors import FailureReasons  # noqa: E402
 from ttserve.gateway.metrics import CONNECTED, SESSIONS_LOST  # noqa: E402
 from ttserve.gateway.rate_limits import KeyAccount, current_key  # noqa: E402
 from ttserve.gateway.control_channel import open_control_channel  # noqa: E402
@@ -107,9 +111,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
         # Set by GatewayLLM from vLLM's structured_outputs_config: how the control plane
         # compiles grammars (to_add_request's defaults until then).
         self.grammar_options: dict[str, bool] = {}
-        # Set by GatewayLLM: drops a request from vLLM's OutputProcessor (refused or cancelled
-        # before admission; vLLM does not clean those up for n=1).
-        self.on_request_dropped: Callable[[str], None] = lambda request_id: None
+        # The OutputProcessor of the AsyncLLM this client serves (attach_output_processor).
+        self._output_processor: OutputProcessor | None = None
+        # The control plane's message for each request it failed, until vLLM's serving layer
+        # asks (through GatewayLLM.failure_reasons; vllm_patches.report_failure_reasons).
+        self.failure_reasons = FailureReasons()
         # The gateway's drain state; GatewayLLM shares its own here.
         self.drain = Drain()
         self._backoff_s = backoff_s
@@ -125,6 +131,17 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._runner = asyncio.create_task(self._run(), name="ttserve-control-session")
 
     # ---- connection ----------------------------------------------------------------------
+    def attach_output_processor(self, output_processor: OutputProcessor) -> None:
+        """The OutputProcessor of the AsyncLLM this client serves, from which a request refused
+        or cancelled before admission is removed (vLLM removes none for n=1). AsyncLLM builds it
+        in its constructor, after this client exists; GatewayLLM hands it over, once."""
+        assert self._output_processor is None, "the client already serves an AsyncLLM"
+        self._output_processor = output_processor
+
+    def _drop(self, request_id: str) -> None:
+        if self._output_processor is not None:
+            self._output_processor.abort_requests([request_id], internal=True)
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop this client (and the gateway's requests) run on."""
@@ -251,7 +268,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
                     log.warning("request %s failed in the control plane: %s", out.request_id,
                                 out.error or "no message")
                     if out.error:
-                        generation_errors.record(out.request_id, out.error, out.invalid_request)
+                        self.failure_reasons.record(out.request_id, out.error, out.invalid_request)
                 elif output.finish_reason == FinishReason.ABORT and out.error:
                     # The control plane ended it (e.g. it shut down); the client sees finish
                     # reason "abort" (the OpenAI API has no field for the message).
@@ -306,7 +323,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
                 raise self._refused(request_id, ControlPlaneUnavailable(
                     f"the control plane did not answer the request's admission "
                     f"within {ADMISSION_TIMEOUT_S:g} s")) from None
-            self.on_request_dropped(request_id)
+            self._drop(request_id)
             raise
         except ControlPlaneUnavailable as e:
             raise self._refused(request_id, e) from None
@@ -322,7 +339,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
             admission.message or "the control plane cannot take requests now"))
 
     def _refused(self, request_id: str, error: Exception) -> Exception:
-        self.on_request_dropped(request_id)
+        self._drop(request_id)
         record_refusal(error)
         return error
 
@@ -396,8 +413,8 @@ class GatewayLLM(AsyncLLM):
     """vLLM's AsyncLLM with its engine core replaced by a GrpcEngineCoreClient.
 
     AsyncLLM builds its engine core through `EngineCoreClient.make_async_mp_client` (its only
-    contact with the engine); that factory is pointed at the given client for the duration of
-    the constructor. Construct inside the running event loop.
+    contact with the engine); that factory returns the given client for the duration of the
+    constructor (vllm_patches.use_engine_core_client). Construct inside the running event loop.
     """
 
     def __init__(self, vllm_config: VllmConfig, core_client: GrpcEngineCoreClient, *,
@@ -406,21 +423,21 @@ class GatewayLLM(AsyncLLM):
         core_client.grammar_options = dict(
             disable_any_whitespace=grammar.disable_any_whitespace,
             disable_additional_properties=grammar.disable_additional_properties)
-        factory = EngineCoreClient.__dict__["make_async_mp_client"]
-        EngineCoreClient.make_async_mp_client = staticmethod(lambda *a, **kw: core_client)
-        try:
+        with vllm_patches.use_engine_core_client(core_client):
             # Without log_stats there is no stat logger at all; a stat logger given then would
             # turn stats on.
             super().__init__(vllm_config, executor_class=None, log_stats=log_stats,  # type: ignore[arg-type]
                              log_requests=log_requests,
                              stat_loggers=[_NoPrometheusStatLogger] if log_stats else None)
-        finally:
-            EngineCoreClient.make_async_mp_client = factory
         self.core_client = core_client
         self.drain = core_client.drain
-        output_processor = self.output_processor
-        core_client.on_request_dropped = (
-            lambda request_id: output_processor.abort_requests([request_id], internal=True))
+        core_client.attach_output_processor(self.output_processor)
+
+    @property
+    def failure_reasons(self) -> FailureReasons:
+        """Where vLLM's serving layer, which holds this as its engine client, finds the control
+        plane's reason for a failed request (vllm_patches.report_failure_reasons)."""
+        return self.core_client.failure_reasons
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine side; callable from any thread.

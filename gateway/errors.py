@@ -69,7 +69,9 @@ def refusal_status(error: Exception) -> str:
 
 
 # The refusals recorded while serving the current HTTP request; set by the middleware. Tasks
-# spawned for the request copy the context, so they all see (and append to) the same list.
+# spawned for the request copy the context, so they all see (and append to) the same list. A
+# context variable because vLLM's serving layer stands between the engine client that refuses
+# and the middleware: the refusal reaches the middleware otherwise only as an SSE error event.
 _refusals: contextvars.ContextVar[list[Exception] | None] = contextvars.ContextVar(
     "ttserve_gateway_refusals", default=None)
 

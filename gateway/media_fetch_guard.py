@@ -19,13 +19,14 @@ every address connected to). data: URLs open no connection; file: URLs stay vLLM
 and any connection a redirect would open would pass this same check.
 
 Where it hooks in: vLLM loads its media connector by name from MEDIA_CONNECTOR_REGISTRY
-(VLLM_MEDIA_CONNECTOR, its extension point). `install` registers vLLM's own MediaConnector on a
-GuardedHTTPConnection: the aiohttp client (every async fetch, the serving path) connects through
-GuardedTCPConnector, whose host resolution - which aiohttp connects to exactly, IP literals
-included - is filtered by the policy; the requests client (vLLM's sync parser) through urllib3
-connections that resolve once, check, and connect to the checked address. Neither client reads
-HTTP(S)_PROXY from the environment: through a proxy the address connected to would be the
-proxy's, and the image host's would go unchecked.
+(VLLM_MEDIA_CONNECTOR, its extension point). `guarded_connector_class` is vLLM's own
+MediaConnector on a GuardedHTTPConnection, which gateway/vllm_patches.py (`guard_media_urls`)
+registers under CONNECTOR_NAME and selects. Its aiohttp client (every async fetch, the serving
+path) connects through GuardedTCPConnector, whose host resolution - which aiohttp connects to
+exactly, IP literals included - is filtered by the policy; its requests client (vLLM's sync
+parser) through urllib3 connections that resolve once, check, and connect to the checked
+address. Neither client reads HTTP(S)_PROXY from the environment: through a proxy the address
+connected to would be the proxy's, and the image host's would go unchecked.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-# The name vLLM loads the guarded connector by (VLLM_MEDIA_CONNECTOR).
+# The name vLLM loads the guarded connector by (VLLM_MEDIA_CONNECTOR; set by vllm_patches).
 CONNECTOR_NAME = "ttserve-address-guarded"
 
 _v4, _v6 = ipaddress.IPv4Network, ipaddress.IPv6Network
@@ -276,11 +277,10 @@ class GuardedHTTPConnection(HTTPConnection):
         return self._async_client
 
 
-def install(allowed_networks: Sequence[IPNetwork]) -> None:
-    """Make vLLM fetch media URLs through a GuardedHTTPConnection: register the guarded
-    connector and select it (VLLM_MEDIA_CONNECTOR, read when a request first carries media)."""
-    from vllm import envs
-    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
+def guarded_connector_class(allowed_networks: Sequence[IPNetwork]) -> type:
+    """vLLM's MediaConnector fetching through one GuardedHTTPConnection that lets media URLs
+    reach public addresses and `allowed_networks` only (--allowed-media-networks)."""
+    from vllm.multimodal.media import MediaConnector
 
     # The two methods overridden here are the clients' own (private) ones: were one renamed, the
     # override would never run and image URLs would go unchecked. Refuse to start instead.
@@ -315,7 +315,4 @@ def install(allowed_networks: Sequence[IPNetwork]) -> None:
             except Exception as e:  # noqa: BLE001 - every other failure to load is the URL's
                 raise UnloadableMediaUrl(_unloadable(url, e)) from e
 
-    MEDIA_CONNECTOR_REGISTRY.register(CONNECTOR_NAME)(AddressGuardedMediaConnector)
-    os.environ["VLLM_MEDIA_CONNECTOR"] = CONNECTOR_NAME
-    if envs.VLLM_MEDIA_CONNECTOR != CONNECTOR_NAME:  # vLLM's envs cached before this ran
-        raise RuntimeError("vLLM read VLLM_MEDIA_CONNECTOR before the media URL guard was installed")
+    return AddressGuardedMediaConnector

@@ -19,7 +19,9 @@ minute's worth and then goes at the steady rate.
 
 `CURRENT_KEY` holds the account of the key that sent the HTTP request being served (set by the
 middleware; tasks spawned for the request copy it): the engine client reads it to name the
-request's tenant to the control plane and to charge the key for its tokens.
+request's tenant to the control plane and to charge the key for its tokens. A context variable
+because vLLM's serving layer stands between the two and carries nothing of the gateway's: it
+calls `add_request_async` with vLLM's EngineCoreRequest alone, which has no field for a tenant.
 
 Importing this module is cheap (no vLLM).
 """

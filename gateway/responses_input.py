@@ -5,8 +5,11 @@ from `item.content[0].text` (vllm/entrypoints/openai/responses/utils.py,
 `_construct_message_from_response_item`): a first part that is a refusal (no `.text`) or an
 empty content list raised AttributeError / IndexError, which the client saw as HTTP 500 (found
 by tests/test_e2e_gateway_fuzz.py). Both are valid inputs under OpenAI's schema. The gateway
-hands vLLM the same message with its parts joined into one text part: output text as written,
-a refusal as its refusal text, no parts as an empty string.
+hands vLLM the same message with its parts joined into one text part (`readable_item`, which
+gateway/vllm_patches.py's `read_earlier_assistant_messages` puts before vLLM's conversion):
+output text as written, a refusal as its refusal text, no parts as an empty string.
+
+Importing this module is cheap (no vLLM).
 """
 from __future__ import annotations
 
@@ -17,23 +20,16 @@ def _text(part: Any) -> str:
     return getattr(part, "text", None) or getattr(part, "refusal", None) or ""
 
 
-def install() -> None:
-    """Wrap vLLM's conversion of input items (idempotent)."""
+def readable_item(item: Any) -> Any:
+    """`item` (a Responses API input item) as vLLM can convert it: an assistant message whose
+    first part is not output text, or that has no part, with its parts joined into one output
+    text part; any other item as it is."""
     from openai.types.responses.response_output_message import ResponseOutputMessage
     from openai.types.responses.response_output_text import ResponseOutputText
-    from vllm.entrypoints.openai.responses import utils
 
-    original = utils._construct_message_from_response_item
-    if getattr(original, "ttserve", False):
-        return
-
-    def construct(item: Any, prev_msg: Any = None) -> Any:
-        if isinstance(item, ResponseOutputMessage) and (
-                not item.content or not isinstance(item.content[0], ResponseOutputText)):
-            joined = ResponseOutputText(type="output_text", text="".join(map(_text, item.content)),
-                                        annotations=[])
-            item = item.model_copy(update={"content": [joined]})
-        return original(item, prev_msg=prev_msg)
-
-    construct.ttserve = True  # type: ignore[attr-defined]
-    utils._construct_message_from_response_item = construct
+    if isinstance(item, ResponseOutputMessage) and (
+            not item.content or not isinstance(item.content[0], ResponseOutputText)):
+        joined = ResponseOutputText(type="output_text", text="".join(map(_text, item.content)),
+                                    annotations=[])
+        return item.model_copy(update={"content": [joined]})
+    return item

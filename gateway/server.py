@@ -201,6 +201,17 @@ def vision_argv(args: argparse.Namespace) -> list[str]:
             "--allowed-media-domains", *(args.allowed_media_domains or [NO_MEDIA_FETCHING])]
 
 
+def patch_vllm(args: argparse.Namespace) -> None:
+    """Every change the gateway makes to vLLM (gateway/vllm_patches.py). Refused (2) on a vLLM
+    other than the one the patches are written for: only installing that one fixes it."""
+    from ttserve.gateway import vllm_patches
+
+    try:
+        vllm_patches.apply(args.allowed_media_networks)
+    except vllm_patches.UnsupportedVllm as e:
+        raise ConfigRefused(str(e)) from None
+
+
 def preload_vllm() -> None:
     """Import vLLM's frontend (most of the start-up time) while the control plane gets ready.
 
@@ -209,7 +220,6 @@ def preload_vllm() -> None:
         from ttserve.gateway import vllm_compat
 
         vllm_compat.prepare()
-        vllm_compat.inspect_models_in_process()
         import vllm.engine.arg_utils  # noqa: F401
         import vllm.entrypoints.launchers.api_server.app_state  # noqa: F401
         import vllm.entrypoints.launchers.app  # noqa: F401
@@ -360,16 +370,7 @@ async def serve(args: argparse.Namespace) -> int:
         waiting.message = f"starting vLLM's frontend for {model} (the control plane at {args.control} is ready)"
         # No vLLM import may run on this thread before the preload ends (import lock order).
         await asyncio.to_thread(preload.join)
-        from ttserve.gateway import (generation_errors, media_fetch_guard, responses_input,
-                                     structured_output_limits, vision_compat, vllm_compat)
-
-        vllm_compat.prepare()
-        vllm_compat.inspect_models_in_process()
-        vision_compat.register()  # before vLLM reads its model registry (the config)
-        media_fetch_guard.install(args.allowed_media_networks)  # image URLs reach public addresses only
-        generation_errors.install()  # a failed request's reason reaches its HTTP client
-        structured_output_limits.install()  # no 100k-choice validation on the event loop
-        responses_input.install()  # earlier assistant messages vLLM cannot read (HTTP 500)
+        patch_vllm(args)  # before vLLM builds its config (it reads the model registry then)
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
         vllm_config = build_vllm_config(vllm_args, model_info)
         check_vllm_server_args(vllm_args)

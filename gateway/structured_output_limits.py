@@ -4,9 +4,12 @@ vLLM validates a request's structured output with llguidance on the gateway's ev
 (vllm/sampling_params.py calls vllm/v1/structured_output/backend_guidance.py's
 `validate_guidance_grammar`, vLLM 0.32). A `choice` list of 100k options took it 4.4 s, every
 other client of the gateway waiting meanwhile, and llguidance follows at most 2000 alternatives
-anyway (longer lists compile, then fail mid-generation; 65k panic its compiler). `install()`
-wraps that validation so that such a list is a 400 at once; the control plane refuses the same
-at admission for its other clients (control/grammar.py MAX_CHOICES).
+anyway (longer lists compile, then fail mid-generation; 65k panic its compiler). So
+`refuse_oversized_choice` runs first (gateway/vllm_patches.py, `bound_choice_validation`) and
+such a list is a 400 at once; the control plane refuses the same at admission for its other
+clients (control/grammar.py MAX_CHOICES).
+
+Importing this module is cheap (no vLLM).
 """
 from __future__ import annotations
 
@@ -23,23 +26,11 @@ def choice_problem(structured_outputs: Any) -> str | None:
     return None
 
 
-def install() -> None:
-    """Bound vLLM's validation (idempotent); refuses to start if vLLM's hook moved."""
-    from vllm.exceptions import VLLMValidationError
-    from vllm.v1.structured_output import backend_guidance
+def refuse_oversized_choice(sampling_params: Any) -> None:
+    """Raise VLLMValidationError (HTTP 400) for a choice list past MAX_CHOICES; `sampling_params`
+    is vLLM's SamplingParams."""
+    problem = choice_problem(getattr(sampling_params, "structured_outputs", None))
+    if problem:
+        from vllm.exceptions import VLLMValidationError
 
-    original = getattr(backend_guidance, "validate_guidance_grammar", None)
-    if original is None:
-        raise RuntimeError("vLLM's backend_guidance.validate_guidance_grammar is gone: the structured "
-                           "output bound (gateway/structured_output_limits.py) cannot be installed")
-    if getattr(original, "ttserve", False):
-        return
-
-    def validate_guidance_grammar(sampling_params: Any, tokenizer: Any = None) -> None:
-        problem = choice_problem(getattr(sampling_params, "structured_outputs", None))
-        if problem:
-            raise VLLMValidationError(problem, parameter="structured_outputs.choice")
-        original(sampling_params, tokenizer=tokenizer)
-
-    validate_guidance_grammar.ttserve = True  # type: ignore[attr-defined]
-    backend_guidance.validate_guidance_grammar = validate_guidance_grammar
+        raise VLLMValidationError(problem, parameter="structured_outputs.choice")

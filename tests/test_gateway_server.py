@@ -74,7 +74,7 @@ def gateway_args(*argv: str):
 
 
 def test_a_vision_model_gets_vllms_multimodal_flags_and_a_text_model_none(tiny_vlm):
-    from ttserve.gateway import vision_compat, vllm_compat
+    from ttserve.gateway import vllm_compat
     from ttserve.gateway.server import NO_MEDIA_FETCHING, vllm_argv
     vision = engine_pb2.ModelInfo(max_model_len=2048, block_size=16, num_blocks=64, supports_images=True,
                                   dtype="float32")
@@ -90,8 +90,9 @@ def test_a_vision_model_gets_vllms_multimodal_flags_and_a_text_model_none(tiny_v
     assert not {"--mm-processor-cache-gb", "--limit-mm-per-prompt"} & set(vllm_argv(gateway_args(), "m", MODEL_INFO))
     # The flags build vLLM's config for the tiny checkpoint: a multimodal model with mRoPE.
     vllm_compat.prepare()
-    vllm_compat.inspect_models_in_process()
-    vision_compat.register()
+    from ttserve.gateway import vllm_patches
+    vllm_patches.run_model_inspection_in_process()
+    vllm_patches.register_images_only_vision_models()
     from ttserve.gateway.server import build_vllm_config, parse_vllm_args
     config = build_vllm_config(parse_vllm_args(argv), vision)
     assert config.model_config.is_multimodal_model and config.model_config.uses_mrope

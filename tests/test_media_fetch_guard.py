@@ -259,10 +259,10 @@ def test_installed_vllm_loads_the_guarded_connector_and_both_checks_apply(server
     from vllm import envs
     from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
 
-    from ttserve.gateway import media_fetch_guard
+    from ttserve.gateway import vllm_patches
 
-    monkeypatch.setenv("VLLM_MEDIA_CONNECTOR", "http")  # restored after; install sets it
-    media_fetch_guard.install([])
+    monkeypatch.setenv("VLLM_MEDIA_CONNECTOR", "http")  # restored after; guard_media_urls sets it
+    vllm_patches.guard_media_urls([])
     connector = MEDIA_CONNECTOR_REGISTRY.load(envs.VLLM_MEDIA_CONNECTOR, media_io_kwargs=None,
                                               allowed_local_media_path="", allowed_media_domains=["localhost"])
 
@@ -294,10 +294,10 @@ def test_an_unloadable_media_url_is_the_requests_fault(monkeypatch):
     from vllm import envs
     from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
 
-    from ttserve.gateway import media_fetch_guard
+    from ttserve.gateway import media_fetch_guard, vllm_patches
 
     monkeypatch.setenv("VLLM_MEDIA_CONNECTOR", "http")
-    media_fetch_guard.install([ipaddress.ip_network("127.0.0.0/8")])
+    vllm_patches.guard_media_urls([ipaddress.ip_network("127.0.0.0/8")])
     connector = MEDIA_CONNECTOR_REGISTRY.load(envs.VLLM_MEDIA_CONNECTOR, media_io_kwargs=None,
                                               allowed_local_media_path="", allowed_media_domains=None)
     with socket.socket() as s:  # a port nothing listens on

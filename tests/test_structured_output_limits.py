@@ -27,8 +27,9 @@ def test_a_choice_list_past_the_bound_is_refused_at_once_and_others_are_validate
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.structured_output import backend_guidance
 
-    structured_output_limits.install()
-    structured_output_limits.install()  # idempotent
+    from ttserve.gateway import vllm_patches
+    vllm_patches.bound_choice_validation()
+    vllm_patches.bound_choice_validation()  # idempotent
     started = time.monotonic()
     with pytest.raises(VLLMValidationError, match="100000 options, more than the 2000"):
         backend_guidance.validate_guidance_grammar(
