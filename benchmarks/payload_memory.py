@@ -4,7 +4,7 @@ A prefill step that gathered several large image requests could pass the 64 MiB 
 limit and fail the worker. The control plane caps one step's image payload at 48 MiB over all
 lanes (control/images.py PayloadBudget) and bounds the bytes its live requests hold with
 --max-held-bytes (control/queue_bounds.py). This run shows both on real processes: the torch
-worker on the tiny random-weight Qwen2.5-VL checkpoint (worker/tiny_vlm.py, --dtype float32) and a
+worker on the tiny random-weight Qwen2.5-VL checkpoint (worker/planning/tiny_vlm.py, --dtype float32) and a
 control plane, driven through engine.proto.
 
 Phase 1 (payload budget): N concurrent requests, each with one image whose pixel_values are
@@ -593,8 +593,8 @@ def main() -> int:
     if args.quick:
         args.requests, args.rounds = 3, 2
 
-    from ttserve.worker.model_prepare import prepare
-    from ttserve.worker.tiny_vlm import build
+    from ttserve.worker.planning.model_prepare import prepare
+    from ttserve.worker.planning.tiny_vlm import build
 
     with tempfile.TemporaryDirectory(prefix="payload-memory-") as scratch:
         tmp = Path(scratch)

@@ -16,7 +16,7 @@ import sys
 import time
 
 from control_stack import control_stack
-from ttserve.worker.sim import PROFILES
+from ttserve.worker.backends.sim.model import PROFILES
 
 PROFILE = "galaxy-llama-3.3-70b"
 

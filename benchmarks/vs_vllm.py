@@ -216,7 +216,7 @@ def main() -> int:
     if args.quick:
         levels, output_len, args.enforce_eager, args.rounds = [1, 4], 16, True, 1
         prompts_per = {c: 4 for c in levels}
-    from ttserve.worker.model_prepare import resolve_model
+    from ttserve.worker.planning.model_prepare import resolve_model
 
     model = resolve_model(args.model)
     name = model.name

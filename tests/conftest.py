@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The prepared SmolLM2-135M-Instruct folder (converted once, then reused)."""
-    from ttserve.worker.model_prepare import prepare
+    from ttserve.worker.planning.model_prepare import prepare
     return prepare("smollm2")
 
 
@@ -28,9 +28,9 @@ def hf_smollm2(smollm2):
 
 @pytest.fixture(scope="session")
 def tiny_vlm(smollm2, tmp_path_factory) -> Path:
-    """A tiny random-weight Qwen2.5-VL checkpoint (worker/tiny_vlm.py), built once per session
+    """A tiny random-weight Qwen2.5-VL checkpoint (worker/planning/tiny_vlm.py), built once per session
     with transformers (config, safetensors, tokenizer and PIL image processor)."""
-    from ttserve.worker.tiny_vlm import build
+    from ttserve.worker.planning.tiny_vlm import build
     folder = tmp_path_factory.mktemp("tiny-vlm") / "tiny-vlm-Qwen2.5-VL"
     build(folder, smollm2)
     return folder

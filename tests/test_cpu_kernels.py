@@ -1,4 +1,4 @@
-"""The reference models' CPU-kernel path (vLLM CPU's compiled kernels, worker/models/cpu_kernels.py)
+"""The reference models' CPU-kernel path (vLLM CPU's compiled kernels, worker/backends/torch/models/cpu_kernels.py)
 computes what the plain torch path computes: the same model, driven through the contract with a
 cache of each layout, over two lanes, a chunked prefill that resumes from the cache, and decode
 steps with empty rows. bf16 on both sides; they differ in summation order and in where the
@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from ttserve.worker.models import TorchLlamaForCausalLM, TorchQwen3ForCausalLM
-from ttserve.worker.models import cpu_kernels, paged_kv
+from ttserve.worker.backends.torch.models import TorchLlamaForCausalLM, TorchQwen3ForCausalLM
+from ttserve.worker.backends.torch.models import cpu_kernels, paged_kv
 
 BF16_LOGIT_TOL = 0.08   # of the logits' scale, as the bf16 oracle test against transformers
 TIE_GAP = 0.05        # of the logits' scale: a top-2 gap above it is a clear greedy decision
@@ -39,7 +39,7 @@ def test_the_onednn_matmul_computes_what_f_linear_does_at_any_row_count(dtype, r
     b = torch.randn(96, generator=g).to(dtype) if bias else None
     why = cpu_kernels.gemm_unavailable(w)
     if why:  # a CPU whose oneDNN has no such matmul: Linear takes another path, and is right there too
-        from ttserve.worker.models.linear import Linear
+        from ttserve.worker.backends.torch.models.linear import Linear
 
         assert dtype is torch.float16 and "no torch.float16 matmul on this CPU" in why, why
         with pytest.raises(ValueError, match="cannot hold this weight"):
@@ -59,7 +59,7 @@ def test_the_onednn_matmul_computes_what_f_linear_does_at_any_row_count(dtype, r
 def test_a_linear_layer_on_the_kernels_holds_one_copy_of_its_weight_and_frees_it():
     import gc
 
-    from ttserve.worker.models.linear import Linear
+    from ttserve.worker.backends.torch.models.linear import Linear
 
     layer = Linear(torch.randn(32, 16).bfloat16())
     assert layer.kind == "onednn" and isinstance(layer.weight, cpu_kernels.MatMul)

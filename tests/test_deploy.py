@@ -452,8 +452,8 @@ def parse_service_args(service: str, argv: list[str]) -> argparse.Namespace:
 
 
 def check_worker_settings(args: argparse.Namespace, env: dict[str, str]) -> None:
-    from ttserve.worker.mesh import PRESETS, parse_visible_devices
-    from ttserve.worker.options import parse_additional_config
+    from ttserve.worker.planning.mesh import PRESETS, parse_visible_devices
+    from ttserve.worker.planning.options import parse_additional_config
 
     parse_additional_config(args.additional_config, getattr(args, "additional_config_dotted", None))
     mesh = env.get("MESH_DEVICE", "").strip()

@@ -1,4 +1,4 @@
-"""The worker's --dtype rule (worker/dtype.py) and its thread count (worker/config.py)."""
+"""The worker's --dtype rule (worker/backends/torch/dtype.py) and its thread count (worker/config.py)."""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +6,9 @@ import argparse
 import pytest
 import torch
 
-from ttserve.worker import config, dtype
-from ttserve.worker.dtype import DTYPE_CHOICES, cpu_has_native_bf16, resolve_dtype
+from ttserve.worker import config
+from ttserve.worker.backends.torch import dtype
+from ttserve.worker.backends.torch.dtype import DTYPE_CHOICES, cpu_has_native_bf16, resolve_dtype
 
 ZEN5 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 AMX = "processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n"

@@ -396,7 +396,7 @@ def image_env(dockerfile: Path, name: str) -> str:
 def test_control_plane_and_gateway_see_the_model_folder_the_worker_reports(folder):
     """The worker reports the folder it serves; the control plane reads its tokenizer there and
     the gateway its config.json and tokenizer, at the same path."""
-    from ttserve.worker.model_prepare import EMBEDDED_MODELS
+    from ttserve.worker.planning.model_prepare import EMBEDDED_MODELS
 
     ws = workloads(render(folder))
     worker = ws["worker"]

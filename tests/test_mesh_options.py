@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ttserve.worker.mesh import (FABRIC_CONFIGS, PRESETS, MeshError, MeshSpec, default_fabric, fabric_for,
+from ttserve.worker.planning.mesh import (FABRIC_CONFIGS, PRESETS, MeshError, MeshSpec, default_fabric, fabric_for,
                                  mesh_from_env, normalize_arch, parse_visible_devices, resolve_mesh)
-from ttserve.worker.options import (TT_OPTIONS, OptionError, TraceFlags,
+from ttserve.worker.planning.options import (TT_OPTIONS, OptionError, TraceFlags,
                                     async_decode_allowed, check_model_options, device_sampling,
                                     parse_additional_config, split_additional_config,
                                     trace_flags, validate_additional_config)

@@ -1,11 +1,11 @@
-"""The paged KV storage (worker/models/paged_kv.py): the contract's views, the fast path, and
+"""The paged KV storage (worker/backends/torch/models/paged_kv.py): the contract's views, the fast path, and
 that it reads exactly what the head-major layout would."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ttserve.worker.models import paged_kv
+from ttserve.worker.backends.torch.models import paged_kv
 
 LANES, LAYERS, BLOCKS, KV_HEADS, BLOCK, HEAD_DIM = 2, 3, 6, 2, 4, 8
 

@@ -1,4 +1,4 @@
-"""The torch reference Qwen2.5-VL (worker/models/qwen2_5_vl.py) against transformers' generate
+"""The torch reference Qwen2.5-VL (worker/backends/torch/models/qwen2_5_vl.py) against transformers' generate
 on the same tiny random-weight checkpoint and images, through the generator contract.
 
 The oracle is greedy decoding: the tokens must be identical. Both sides compute in float32 and
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ttserve.worker.models.qwen2_5_vl import TorchQwen2_5_VLForConditionalGeneration
+from ttserve.worker.backends.torch.models.qwen2_5_vl import TorchQwen2_5_VLForConditionalGeneration
 from ttserve.worker.runner import ModelRunner
 
 from conftest import sample_image as make_image

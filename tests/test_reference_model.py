@@ -1,4 +1,4 @@
-"""The torch reference models (ttserve.worker.models) against transformers, through the contract.
+"""The torch reference models (ttserve.worker.backends.torch.models) against transformers, through the contract.
 
 transformers is the oracle here only; the reference model never imports it. SmolLM2 is the
 real trained model (prepared once into $TTSERVE_CACHE_DIR or ~/.cache/ttserve); tiny random
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ttserve.worker import model_prepare
-from ttserve.worker.model_prepare import ModelPrepareError, prepare, resolve_model
-from ttserve.worker.models import REFERENCE_ARCHITECTURES, TorchLlamaForCausalLM
+from ttserve.worker.planning import model_prepare
+from ttserve.worker.planning.model_prepare import ModelPrepareError, prepare, resolve_model
+from ttserve.worker.backends.torch.models import REFERENCE_ARCHITECTURES, TorchLlamaForCausalLM
 from ttserve.worker.sampling import SamplingBatch
 
 import transformers  # noqa: E402

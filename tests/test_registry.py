@@ -1,4 +1,4 @@
-"""The model registry (worker/registry.py): TT<Arch> entries matched by declared architecture,
+"""The model registry (worker/planning/registry.py): TT<Arch> entries matched by declared architecture,
 built-ins per backend, the Galaxy selectors, EXTRA_MODELS_DIR bundles, TT_VLLM_BUILTIN_MODELS,
 and one end-to-end run of a bundle-provided model through a real worker and control plane."""
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from ttserve.worker import registry as reg
-from ttserve.worker.models import REFERENCE_ARCHITECTURES
-from ttserve.worker.models.llama import (
+from ttserve.worker.planning import registry as reg
+from ttserve.worker.backends.torch.models import REFERENCE_ARCHITECTURES
+from ttserve.worker.backends.torch.models.llama import (
     TorchLlamaForCausalLM,
     TorchMistralForCausalLM,
     TorchQwen2ForCausalLM,
 )
-from ttserve.worker.registry import (
+from ttserve.worker.planning.registry import (
     ModelLoadError,
     RegistryError,
     UnknownArchitecture,
@@ -335,7 +335,7 @@ def test_bundle_modules_of_the_same_name_do_not_silently_share_one_class(tmp_pat
 def test_a_bundle_may_name_an_installed_module(tmp_path):
     base = tmp_path / "bundles"
     write_bundle(base, "alias", {"arch": "AliasForCausalLM",
-                                 "main_class": "ttserve.worker.models.llama:TorchQwen2ForCausalLM"})
+                                 "main_class": "ttserve.worker.backends.torch.models.llama:TorchQwen2ForCausalLM"})
     registry = build_registry("torch", {"EXTRA_MODELS_DIR": str(base)})
     assert registry.resolve(["AliasForCausalLM"])[1] is TorchQwen2ForCausalLM
 
@@ -367,7 +367,7 @@ def test_skipped_bundles_are_mentioned_when_nothing_matches(tmp_path):
 # --- end to end: a bundle-provided model served by a real worker ------------------------------
 
 TINYCHAT_ADAPTER = '''"""SmolLM2's weights under a new architecture name, from an EXTRA_MODELS_DIR bundle."""
-from ttserve.worker.models.llama import TorchLlamaForCausalLM
+from ttserve.worker.backends.torch.models.llama import TorchLlamaForCausalLM
 
 
 class TinyChatForCausalLM(TorchLlamaForCausalLM):

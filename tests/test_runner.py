@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ttserve.worker.backends.sim.model import PROFILES, SimModel, next_token
+from ttserve.worker.backends.torch.backend import TorchBackend
+from ttserve.worker.backends.torch.models import TorchLlamaForCausalLM
 from ttserve.worker.batch import DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
-from ttserve.worker.models import TorchLlamaForCausalLM
 from ttserve.worker.runner import DeviceOptions, ModelRunner
-from ttserve.worker.sim import PROFILES, SimModel, next_token
 
 CONFIG = ServingConfig(num_lanes=1, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256)
 PROMPTS = {"greedy": [1, 504, 3458, 282, 4649], "seeded": [1, 9690, 314, 2185, 282, 3000]}
@@ -16,9 +17,10 @@ PROMPTS = {"greedy": [1, 504, 3458, 282, 4649], "seeded": [1, 9690, 314, 2185, 2
 
 def runner(model_path, model_cls=TorchLlamaForCausalLM, backend_traces=False, kv_tokens_per_lane=None,
            traced_kinds=frozenset({"prefill", "decode"}), **tt) -> tuple[ModelRunner, list]:
-    r = ModelRunner(model_path, model_cls, "LlamaForCausalLM", torch.device("cpu"), torch.float32,
-                    block_size=16, kv_cache_bytes=64 << 20,
-                    options=DeviceOptions(tt, backend_traces, kv_tokens_per_lane, traced_kinds))
+    options = DeviceOptions(tt, backend_traces, kv_tokens_per_lane, traced_kinds)
+    r = ModelRunner(model_path, model_cls, "LlamaForCausalLM", TorchBackend(torch.device("cpu"), torch.float32,
+                                                                            options.traced),
+                    torch.float32, block_size=16, kv_cache_bytes=64 << 20, options=options)
     progress = []
     r.warmup(CONFIG, lambda phase, done, total, detail: progress.append((phase, done, total)))
     return r, progress

@@ -1,4 +1,4 @@
-"""The runner on the production path: ModelRunner driven through TtnnDevice and TtnnBackend, on a
+"""The runner on the production path: ModelRunner driven through TtnnBackend, on a
 recording fake mesh and a fake tt-metal model with deterministic tokens (tests/fakes).
 
 Checks the tokens returned and what reached the model: warmup order and progress, prefill rows
@@ -16,11 +16,11 @@ from fakes.fake_tt_generator import SamplingParams
 from fakes.fake_tt_model import make_model_class, next_token
 from fakes.fake_ttnn import FakeTtnn
 
+from ttserve.worker.backends.ttnn.backend import TtnnBackend
 from ttserve.worker.batch import DecodeItem, HostSampling, NewRequest, PrefillChunk, ServingConfig, StepBatch
-from ttserve.worker.device_api import ResidentTokens, TtnnDevice
-from ttserve.worker.mesh import resolve_mesh
+from ttserve.worker.device import PendingDecode
+from ttserve.worker.planning.mesh import resolve_mesh
 from ttserve.worker.runner import DeviceOptions, ModelRunner
-from ttserve.worker.ttnn_backend import TtnnBackend
 
 VOCAB = 64
 BLOCK = 16
@@ -45,10 +45,9 @@ def ttnn_runner(model_dir, monkeypatch, **tt) -> tuple[ModelRunner, FakeTtnn, li
     fake_tt_generator.install(monkeypatch)
     ttnn = FakeTtnn()
     backend = TtnnBackend(resolve_mesh("N300", 2), tt, ttnn=ttnn)
-    runner = ModelRunner(model_dir, make_model_class(ttnn, vocab_size=VOCAB), "LlamaForCausalLM",
-                         torch.device("cpu"), torch.bfloat16, block_size=BLOCK, kv_cache_bytes=0,
-                         options=DeviceOptions(tt, backend_traces=True, kv_tokens_per_lane=4096),
-                         device_api=TtnnDevice(backend))
+    runner = ModelRunner(model_dir, make_model_class(ttnn, vocab_size=VOCAB), "LlamaForCausalLM", backend,
+                         torch.bfloat16, block_size=BLOCK, kv_cache_bytes=0,
+                         options=DeviceOptions(tt, backend_traces=True, kv_tokens_per_lane=4096))
     progress: list = []
     runner.warmup(CONFIG, lambda phase, done, total, detail: progress.append((phase, done, total, detail)))
     return runner, ttnn, progress
@@ -192,14 +191,14 @@ def test_a_batch_that_needs_the_host_sampler_gets_logits_and_the_next_returns_to
 
 def test_a_pipelined_decode_pair_feeds_the_second_step_from_the_device(model_dir, monkeypatch):
     runner, ttnn, _ = ttnn_runner(model_dir, monkeypatch, sample_on_device_mode="all")
-    assert runner.async_decode and runner.device_api.resident_tokens
+    assert runner.async_decode and runner.backend.resident_tokens
     last = prefill(runner).tokens
     position = {rid: len(ids) for rid, ids in PROMPTS.items()}
     ttnn.recorder.calls.clear()
 
     # as the worker's step stream does it: launch N, launch N+1, finish N, finish N+1
     n = runner.launch(decode(runner, 2, last, position, async_readback=True))
-    assert n.deferred and isinstance(runner._previous_tokens, ResidentTokens)
+    assert n.deferred and isinstance(runner._previous_tokens, PendingDecode)
     follow = StepBatch(3, "decode", async_readback=True, decode=[
         DecodeItem(rid, 0, position[rid] + 1, [], use_previous_token=True) for rid in last])
     n1 = runner.launch(follow)
@@ -253,7 +252,7 @@ def test_a_stream_that_ends_with_a_decode_in_flight_leaves_the_next_stream_a_cle
             DecodeItem(rid, 0, position[rid] + 1, [], use_previous_token=True) for rid in last]))
         assert runner.finish(held).tokens  # the control plane went away with step 3 in flight
         runner.reset()  # the next step stream
-        assert runner.device_api.backend.decodes_in_flight == 0
+        assert runner.backend.decodes_in_flight == 0
     ttnn.recorder.calls.clear()
     last = prefill(runner).tokens
     runner.launch(decode(runner, 2, last, position, async_readback=True))
@@ -297,7 +296,7 @@ def test_closing_the_runner_releases_the_model_then_closes_the_mesh(model_dir, m
                          async_readback=True))
     ttnn.recorder.calls.clear()
     runner.close()
-    backend = runner.device_api.backend
+    backend = runner.backend
     assert runner.model is None and backend.mesh is None and backend.decodes_in_flight == 0
     assert "ttnn.close_mesh_device" in [name for name, _ in ttnn.recorder.calls]
 

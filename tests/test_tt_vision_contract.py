@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ttserve.worker.backends.ttnn.backend import TtnnBackend
 from ttserve.worker.batch import DecodeItem, ImageInput, NewRequest, PrefillChunk, StepBatch
-from ttserve.worker.device_api import TtnnDevice
-from ttserve.worker.mesh import resolve_mesh
+from ttserve.worker.planning.mesh import resolve_mesh
 from ttserve.worker.runner import DeviceOptions, ModelRunner
-from ttserve.worker.ttnn_backend import TtnnBackend
 
 from test_tt_contract import chips, tt_metal, warm, worker_args  # noqa: F401 - fixtures
 
@@ -41,9 +40,9 @@ def runner_for(model_dir: Path, cls_path: str, max_num_seqs: int = 2, **tt) -> t
     module, _, name = cls_path.partition(":")
     cls = getattr(importlib.import_module(module), name)
     from models.tt_transformers.tt.generator import TTNN
-    device = TtnnDevice(TtnnBackend(resolve_mesh("N150", 1), tt, ttnn=TTNN), None, {"HF_MODEL": str(model_dir)})
-    runner = ModelRunner(model_dir, cls, name, torch.device("cpu"), torch.bfloat16, block_size=32, kv_cache_bytes=0,
-                         options=DeviceOptions(tt, backend_traces=True, kv_tokens_per_lane=4096), device_api=device)
+    backend = TtnnBackend(resolve_mesh("N150", 1), tt, env={"HF_MODEL": str(model_dir)}, ttnn=TTNN)
+    runner = ModelRunner(model_dir, cls, name, backend, torch.bfloat16, block_size=32, kv_cache_bytes=0,
+                         options=DeviceOptions(tt, backend_traces=True, kv_tokens_per_lane=4096))
     warm(runner, max_num_seqs=max_num_seqs, max_model_len=256)
     return runner, TTNN
 
@@ -129,7 +128,7 @@ def test_gemma3_gets_pixel_values_per_user(tt_metal, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["MllamaForConditionalGeneration", "Mistral3ForConditionalGeneration"])
 def test_cross_attention_vision_classes_are_refused_before_the_device_opens(tt_metal, tmp_path, arch):
-    from ttserve.worker.preflight import plan_worker
+    from ttserve.worker.planning.preflight import plan_worker
     folder = vision_checkpoint(tmp_path, arch)
     plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(folder)), {"HF_MODEL": str(folder)},
                        probe=lambda: chips())
@@ -145,6 +144,6 @@ def test_the_worker_keeps_only_the_grid_of_an_image_in_the_kv_cache(tt_metal, tm
 
 
 def test_the_plan_says_a_vision_checkpoint_takes_images(tiny_vlm):
-    from ttserve.worker.preflight import plan_worker
+    from ttserve.worker.planning.preflight import plan_worker
     plan = plan_worker(worker_args("--backend", "torch", "--model", str(tiny_vlm)), {}, probe=lambda: chips())
     assert not plan.fatal and any("images" in line and "pixel_values" in line for line in plan.lines), plan.lines

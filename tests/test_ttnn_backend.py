@@ -1,6 +1,6 @@
 """The ttnn backend's contract with ttnn and with tt-metal models, checked against recording fakes
 (call order and arguments), including device-resident decode inputs across two pipelined decode
-steps (TtnnDevice over TtnnBackend), plus one run against the real ttnn wheel on a chipless host."""
+steps, plus one run against the real ttnn wheel on a chipless host."""
 from __future__ import annotations
 
 import json
@@ -17,15 +17,16 @@ from fakes.fake_tt_generator import SamplingParams
 from fakes.fake_tt_model import make_model_class, next_token
 from fakes.fake_ttnn import FabricConfig, FabricReliabilityMode, FakeTtnn, MeshShape, Recorder
 
-from ttserve.worker import ttnn_backend
+from ttserve.worker.backends.ttnn import backend as ttnn_backend
+from ttserve.worker.backends.ttnn import mesh_device
+from ttserve.worker.backends.ttnn.backend import ModelContractError, TtnnBackend
+from ttserve.worker.backends.ttnn.mesh_device import (ChipProbe, DeviceError, MeshOpenError, TraceRegionError,
+                                                      TtnnUnavailable, close_mesh, device_params, open_mesh, probe,
+                                                      probe_chips, require_chips)
 from ttserve.worker.batch import ServingConfig
-from ttserve.worker.device_api import TtnnDevice
-from ttserve.worker.mesh import resolve_mesh
-from ttserve.worker.options import TraceFlags
+from ttserve.worker.planning.mesh import resolve_mesh
+from ttserve.worker.planning.options import TraceFlags
 from ttserve.worker.sampling import SamplingBatch
-from ttserve.worker.ttnn_backend import (ChipProbe, DeviceError, MeshOpenError, ModelContractError,
-                                         TraceRegionError, TtnnBackend, TtnnUnavailable, close_mesh,
-                                         device_params, open_mesh, probe, probe_chips, require_chips)
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CHIPS = RuntimeError("TT_FATAL @ /project/tt_metal/llrt/tt_cluster.cpp:129: num_chips > 0\ninfo:\n"
@@ -156,10 +157,16 @@ def opened_backend(name: str = "T3K", **options) -> tuple[TtnnBackend, FakeTtnn,
     return backend, ttnn, make_model_class(ttnn)
 
 
-def test_the_model_is_initialized_on_the_mesh_with_the_whole_meshs_batch():
+def initialize(backend: TtnnBackend, model_cls: type, monkeypatch, num_lanes: int = 1, max_num_seqs: int = 32,
+               max_model_len: int = 128):
+    monkeypatch.setattr(ttnn_backend, "hf_config_for", lambda path: "hf-config")
+    return backend.initialize(model_cls, Path("unused"), {},
+                              ServingConfig(num_lanes, max_num_seqs, max_model_len, max_model_len))
+
+
+def test_the_model_is_initialized_on_the_mesh_with_the_whole_meshs_batch(monkeypatch):
     backend, ttnn, model_cls = opened_backend()
-    model = backend.initialize_model(model_cls, "hf-config", max_batch_size=128, max_seq_len=4096,
-                                     tt_data_parallel=4)
+    model = initialize(backend, model_cls, monkeypatch, num_lanes=4, max_num_seqs=32, max_model_len=4096)
     call = ttnn.recorder.only("model.initialize_vllm_model")[0]
     assert call["mesh_device"] is backend.mesh and model.mesh_device is backend.mesh
     assert (call["hf_config"], call["max_batch_size"], call["max_seq_len"], call["tt_data_parallel"]) == (
@@ -167,9 +174,9 @@ def test_the_model_is_initialized_on_the_mesh_with_the_whole_meshs_batch():
     assert call["optimizations"] == "performance"  # the model's own default: not passed when unset
 
 
-def test_the_optimizations_option_reaches_the_model_and_a_model_without_it_is_refused():
+def test_the_optimizations_option_reaches_the_model_and_a_model_without_it_is_refused(monkeypatch):
     backend, ttnn, model_cls = opened_backend(optimizations="accuracy")
-    backend.initialize_model(model_cls, {}, max_batch_size=32, max_seq_len=128)
+    initialize(backend, model_cls, monkeypatch)
     assert ttnn.recorder.only("model.initialize_vllm_model")[0]["optimizations"] == "accuracy"
 
     class Plain:
@@ -179,7 +186,7 @@ def test_the_optimizations_option_reaches_the_model_and_a_model_without_it_is_re
             return cls()
 
     with pytest.raises(ModelContractError, match="takes no optimizations"):
-        backend.initialize_model(Plain, {}, max_batch_size=32, max_seq_len=128)
+        initialize(backend, Plain, monkeypatch)
 
 
 def test_kv_heads_are_split_over_a_lanes_chips():
@@ -191,6 +198,14 @@ def test_kv_heads_are_split_over_a_lanes_chips():
 
 
 # ---- warmup --------------------------------------------------------------------------------------
+
+def rows(max_num_seqs: int, num_lanes: int = 1) -> ServingConfig:
+    return ServingConfig(num_lanes, max_num_seqs, 4096, 4096)
+
+
+def no_progress(*_) -> None:
+    pass
+
 
 def warmup_calls(recorder: Recorder) -> list[tuple[str, bool]]:
     return [(name.removeprefix("model.warmup_model_"), details["enable_trace"])
@@ -205,14 +220,14 @@ def warmup_calls(recorder: Recorder) -> list[tuple[str, bool]]:
 def test_warmup_compiles_every_shape_untraced_before_capturing(trace_mode, expected):
     backend, ttnn, model_cls = opened_backend(trace_mode=trace_mode)
     model = model_cls(backend.mesh, 32)
-    backend.warmup(model, "kv", max_batch_size=32, num_blocks=64)
+    backend.warmup(model, "kv", rows(32), 64, no_progress)
     # the capture pass of prefill really runs: the Generator's once-only guard is reset before it
     assert warmup_calls(ttnn.recorder) == expected
 
 
 def test_warmup_passes_the_cache_shapes_and_sampling_ceiling():
     backend, ttnn, model_cls = opened_backend(sample_on_device_mode="decode_only")
-    backend.warmup(model_cls(backend.mesh, 32), "kv", max_batch_size=128, num_blocks=2080)
+    backend.warmup(model_cls(backend.mesh, 32), "kv", rows(32, num_lanes=4), 2080, no_progress)
     for call in ttnn.recorder.only("model.warmup_model_prefill"):
         assert call["kv_cache"] == "kv" and call["can_sample_on_device"] is False
     for call in ttnn.recorder.only("model.warmup_model_decode"):
@@ -223,8 +238,7 @@ def test_warmup_passes_the_cache_shapes_and_sampling_ceiling():
 def test_warmup_reports_progress_to_the_end():
     backend, _, model_cls = opened_backend()
     seen = []
-    backend.warmup(model_cls(backend.mesh, 32), "kv", max_batch_size=32, num_blocks=8,
-                   progress=lambda *event: seen.append(event))
+    backend.warmup(model_cls(backend.mesh, 32), "kv", rows(32), 8, lambda *event: seen.append(event))
     assert [(phase, done, total) for phase, done, total, _ in seen] == (
         [("compile", 0, 4), ("compile", 1, 4), ("compile", 2, 4), ("capture", 3, 4), ("capture", 4, 4)])
     assert seen[0][3] == "compile prefill" and "warm in" in seen[-1][3]
@@ -242,7 +256,7 @@ def test_a_too_small_trace_region_is_reported_with_the_size_needed():
 
     model.warmup_model_decode = capture
     with pytest.raises(TraceRegionError) as e:
-        backend.warmup(model, "kv", max_batch_size=32, num_blocks=8)
+        backend.warmup(model, "kv", rows(32), 8, no_progress)
     assert "needs 61,440,000 bytes but the trace region holds 50,000,000" in str(e.value)
     assert "tt.trace_region_size 61440000" in str(e.value)
 
@@ -252,7 +266,7 @@ def test_a_warmup_hook_needing_unknown_arguments_is_a_contract_error():
     model = model_cls(backend.mesh, 32)
     model.warmup_model_prefill = lambda kv_cache, enable_trace, sampling_params: None
     with pytest.raises(ModelContractError, match="sampling_params"):
-        backend.warmup(model, "kv", max_batch_size=32, num_blocks=8)
+        backend.warmup(model, "kv", rows(32), 8, no_progress)
 
 
 # ---- steps -------------------------------------------------------------------------------------
@@ -295,28 +309,16 @@ def test_each_step_kind_gets_its_trace_flag(trace_mode, flags):
     assert backend.trace == flags
     logits = backend.prefill(model, **prefill_inputs())
     assert int(logits.reshape(1, -1).argmax()) == next_token(6, 2, model.vocab_size)
-    backend.decode(model, **step())
+    backend.finish_decode(model, backend.launch_decode(model, None, **step()))
     assert ttnn.recorder.only("model.prefill_forward")[0]["enable_trace"] is flags.prefill
     assert ttnn.recorder.only("model.decode_forward")[0]["enable_trace"] is flags.decode
-
-
-def test_a_synchronous_decode_reads_back_then_processes_on_the_host():
-    backend, ttnn, model_cls = opened_backend()
-    model = model_cls(backend.mesh, ROWS)
-    out = backend.decode(model, **step(), sampling_params=greedy())
-    # (tokens, log-probs) from the model: the tokens alone come back
-    assert out.reshape(-1).tolist() == [next_token(5, 3, 64), next_token(9, 7, 64), 0, 0]
-    assert [(n, d.get("read_from_device", d.get("async_read", d.get("is_tokens"))))
-            for n, d in ttnn.recorder.calls] == [
-        ("model.decode_forward", False), ("model.read_decode_output", False),
-        ("model.process_decode_output_host", True)]
 
 
 def test_async_decode_launches_reads_asynchronously_then_syncs_every_event_before_processing():
     backend, ttnn, model_cls = opened_backend(sample_on_device_mode="all")
     model = model_cls(backend.mesh, ROWS)
     params = greedy()
-    pending = backend.launch_decode(model, **step(), sampling_params=params, reset_batch=True)
+    pending = backend.launch_decode(model, params, **step())  # the first decode: its inputs reload
     call = ttnn.recorder.only("model.decode_forward")[0]
     assert (call["tokens"], call["start_pos"], call["enable_trace"], call["read_from_device"],
             call["sampling_params"], call["reset_batch"]) == ([5, 9, 0, 0], [3, 7, -1, -1], True, False, params, True)
@@ -325,6 +327,7 @@ def test_async_decode_launches_reads_asynchronously_then_syncs_every_event_befor
     assert backend.decodes_in_flight == 1 and pending.is_tokens
     ttnn.recorder.calls.clear()
     tokens = backend.finish_decode(model, pending).reshape(-1).tolist()
+    # (tokens, log-probs) from the model: the tokens alone come back
     assert tokens == [next_token(5, 3, 64), next_token(9, 7, 64), 0, 0]
     assert sequence(ttnn.recorder) == [("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2),
                                        ("model.process_decode_output_host", True)]
@@ -334,30 +337,32 @@ def test_async_decode_launches_reads_asynchronously_then_syncs_every_event_befor
 def test_host_sampled_async_decode_processes_logits():
     backend, ttnn, model_cls = opened_backend()
     model = model_cls(backend.mesh, ROWS)
-    pending = backend.launch_decode(model, **step())
+    pending = backend.launch_decode(model, None, **step())
     logits = backend.finish_decode(model, pending)
     assert logits.shape == (ROWS, 1, 64) and int(logits[0].argmax()) == next_token(5, 3, 64)
     assert ttnn.recorder.only("model.process_decode_output_host") == [{"is_tokens": False}]
 
 
-def test_a_decode_read_back_early_is_processed_once():
-    backend, ttnn, model_cls = opened_backend(sample_on_device_mode="all")
-    model = model_cls(backend.mesh, ROWS)
-    pending = backend.launch_decode(model, **step(), sampling_params=greedy())
-    early = backend.read_back(model, pending)
-    assert backend.decodes_in_flight == 1  # read, not finished
+def test_a_decode_read_back_early_is_processed_once(monkeypatch):
+    backend, ttnn, model = resident_backend(monkeypatch)
+    pending = launch(backend, model, greedy())
+    # the next step drops row 1, so row 0's token must come to the host: read back early
+    second = launch(backend, model, greedy(), pending, [0], tokens=(0, 0, 0, 0), positions=(4, -1, -1, -1))
+    assert pending.read and backend.decodes_in_flight == 2  # read, not finished
+    early = pending.result
     assert backend.finish_decode(model, pending) is early
     # a second readback of one submission would corrupt it (the plugin's DeferredDecodeOutput)
     assert [n for n, _ in ttnn.recorder.calls].count("model.process_decode_output_host") == 1
     assert [d["event"] for d in ttnn.recorder.only("ttnn.event_synchronize")] == [1, 2]
+    backend.finish_decode(model, second)
 
 
 def test_at_most_two_decodes_are_in_flight():
     backend, _, model_cls = opened_backend()
     model = model_cls(backend.mesh, ROWS)
-    first, second = backend.launch_decode(model, **step()), backend.launch_decode(model, **step())
+    first, second = backend.launch_decode(model, None, **step()), backend.launch_decode(model, None, **step())
     with pytest.raises(AssertionError, match="third"):
-        backend.launch_decode(model, **step())
+        backend.launch_decode(model, None, **step())
     backend.finish_decode(model, first)
     backend.finish_decode(model, second)
     with pytest.raises(AssertionError):
@@ -366,12 +371,13 @@ def test_at_most_two_decodes_are_in_flight():
 
 def test_reset_batch_reaches_only_a_model_that_takes_it():
     backend, ttnn, model_cls = opened_backend(sample_on_device_mode="all")
-    backend.finish_decode(model := model_cls(backend.mesh, ROWS),
-                          backend.launch_decode(model, **step(), sampling_params=greedy()))
-    assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is False  # not passed: the default
+    model = model_cls(backend.mesh, ROWS)
+    backend.finish_decode(model, backend.launch_decode(model, greedy(), **step()))
+    assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is True  # a first decode reloads
+    backend.reset()
     older = make_model_class(ttnn, takes_reset_batch=False)(backend.mesh, ROWS)
-    backend.finish_decode(older, backend.launch_decode(older, **step(), sampling_params=greedy(), reset_batch=True))
-    assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is False
+    backend.finish_decode(older, backend.launch_decode(older, greedy(), **step()))
+    assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is False  # not passed: its default
 
 
 @pytest.mark.parametrize("trace_mode, takes_reset_batch, keeps", [("all", True, True), ("decode_only", True, True),
@@ -392,31 +398,29 @@ def test_a_device_failure_in_a_step_is_one_line():
 
     model.decode_forward = broken
     with pytest.raises(DeviceError, match=r"^decode: Timeout waiting for device$"):
-        backend.decode(model, **step())
+        backend.launch_decode(model, None, **step())
 
 
-# ---- device-resident decode inputs across pipelined steps (TtnnDevice over TtnnBackend) -----------
+# ---- device-resident decode inputs across pipelined steps ----------------------------------------
 
-def resident_device(monkeypatch, takes_reset_batch: bool = True, **options) -> tuple[TtnnDevice, FakeTtnn, object]:
-    monkeypatch.setattr(ttnn_backend, "hf_config_for", lambda path: "hf-config")
+def resident_backend(monkeypatch, takes_reset_batch: bool = True, **options) -> tuple[TtnnBackend, FakeTtnn, object]:
     backend, ttnn, _ = opened_backend(**{"sample_on_device_mode": "all", **options})
-    device = TtnnDevice(backend)
-    model_cls = make_model_class(ttnn, takes_reset_batch=takes_reset_batch)
-    model = device.initialize(model_cls, Path("unused"), {}, ServingConfig(1, ROWS, 256, 256))
+    model = initialize(backend, make_model_class(ttnn, takes_reset_batch=takes_reset_batch), monkeypatch,
+                       max_num_seqs=ROWS, max_model_len=256)
     ttnn.recorder.calls.clear()
-    return device, ttnn, model
+    return backend, ttnn, model
 
 
-def launch(device: TtnnDevice, model, params=None, previous=None, carried_rows=(), **inputs):
-    return device.launch_decode(model, params, **step(**inputs), previous=previous, carried_rows=carried_rows)
+def launch(backend: TtnnBackend, model, params=None, previous=None, carried_rows=(), **inputs):
+    return backend.launch_decode(model, params, **step(**inputs), previous=previous, carried_rows=carried_rows)
 
 
 def test_a_pipelined_pair_runs_the_second_step_on_the_tokens_the_first_left_on_the_device(monkeypatch):
-    device, ttnn, model = resident_device(monkeypatch)
-    assert device.resident_tokens
-    first = launch(device, model, greedy())
+    backend, ttnn, model = resident_backend(monkeypatch)
+    assert backend.resident_tokens
+    first = launch(backend, model, greedy())
     # step 2 is launched before step 1 is read back: its carried rows are placeholders (0)
-    second = launch(device, model, greedy(), device.device_tokens(first), [0, 1], tokens=(0, 0, 0, 0),
+    second = launch(backend, model, greedy(), first, [0, 1], tokens=(0, 0, 0, 0),
                     positions=(4, 8, -1, -1))
     assert sequence(ttnn.recorder) == [
         ("model.decode_forward", (True, "host")), ("model.read_decode_output", True),
@@ -431,8 +435,8 @@ def test_a_pipelined_pair_runs_the_second_step_on_the_tokens_the_first_left_on_t
     assert calls[0]["page_table"].tolist() == [[1], [2], [0], [0]]
     ttnn.recorder.calls.clear()
     a, b = next_token(5, 3, 64), next_token(9, 7, 64)
-    assert device.finish_decode(model, first).reshape(-1).tolist() == [a, b, 0, 0]
-    assert device.finish_decode(model, second).reshape(-1).tolist() == [
+    assert backend.finish_decode(model, first).reshape(-1).tolist() == [a, b, 0, 0]
+    assert backend.finish_decode(model, second).reshape(-1).tolist() == [
         next_token(a, 4, 64), next_token(b, 8, 64), 0, 0]
     assert sequence(ttnn.recorder) == [
         ("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2), ("model.process_decode_output_host", True),
@@ -440,12 +444,12 @@ def test_a_pipelined_pair_runs_the_second_step_on_the_tokens_the_first_left_on_t
 
 
 def test_a_pipelined_step_that_drops_a_row_reads_the_previous_step_back_first(monkeypatch):
-    device, ttnn, model = resident_device(monkeypatch)
-    first = launch(device, model, greedy())
+    backend, ttnn, model = resident_backend(monkeypatch)
+    first = launch(backend, model, greedy())
     ttnn.recorder.calls.clear()
     # row 1 finished (max_tokens) with step 1: the device must stop decoding it, so every input
     # is uploaded, and row 0's token has to come from step 1's readback
-    second = launch(device, model, greedy(), device.device_tokens(first), [0], tokens=(0, 0, 0, 0),
+    second = launch(backend, model, greedy(), first, [0], tokens=(0, 0, 0, 0),
                     positions=(4, -1, -1, -1))
     a = next_token(5, 3, 64)
     assert sequence(ttnn.recorder) == [
@@ -455,65 +459,65 @@ def test_a_pipelined_step_that_drops_a_row_reads_the_previous_step_back_first(mo
     call = ttnn.recorder.only("model.decode_forward")[0]
     assert call["tokens"] == [a, 0, 0, 0] and call["page_table"].tolist() == [[1], [0], [0], [0]]
     ttnn.recorder.calls.clear()
-    assert device.finish_decode(model, first).reshape(-1).tolist()[:2] == [a, next_token(9, 7, 64)]
+    assert backend.finish_decode(model, first).reshape(-1).tolist()[:2] == [a, next_token(9, 7, 64)]
     assert ttnn.recorder.calls == []  # read once, early
-    assert device.finish_decode(model, second).reshape(-1).tolist()[0] == next_token(a, 4, 64)
+    assert backend.finish_decode(model, second).reshape(-1).tolist()[0] == next_token(a, 4, 64)
 
 
 def test_a_new_block_in_a_steady_step_refreshes_only_the_page_table(monkeypatch):
-    device, ttnn, model = resident_device(monkeypatch)
-    first = launch(device, model, greedy(), positions=(15, 7, -1, -1))
-    second = launch(device, model, greedy(), device.device_tokens(first), [0, 1], tokens=(0, 0, 0, 0),
+    backend, ttnn, model = resident_backend(monkeypatch)
+    first = launch(backend, model, greedy(), positions=(15, 7, -1, -1))
+    second = launch(backend, model, greedy(), first, [0, 1], tokens=(0, 0, 0, 0),
                     positions=(16, 8, -1, -1), blocks=((1, 5), (2, 0), (3, 0), (4, 0)))
     call = ttnn.recorder.only("model.decode_forward")[1]
     assert (call["reset_batch"], call["inputs"]) == (False, "device+page_table")
-    device.finish_decode(model, first)
+    backend.finish_decode(model, first)
     a = next_token(5, 15, 64)
-    assert device.finish_decode(model, second).reshape(-1).tolist()[0] == next_token(a, 16, 64)
+    assert backend.finish_decode(model, second).reshape(-1).tolist()[0] == next_token(a, 16, 64)
 
 
 def test_steady_steps_keep_the_device_seeds_and_a_prefill_resets_them(monkeypatch):
-    device, ttnn, model = resident_device(monkeypatch)
+    backend, ttnn, model = resident_backend(monkeypatch)
     seeded = SamplingParams(temperature=[0.8, 0.0, 0.0, 0.0], top_k=[50, 1, 1, 1], top_p=[0.9, 1.0, 1.0, 1.0],
                             seed=[1234, None, None, None])
-    out = device.finish_decode(model, launch(device, model, seeded))
+    out = backend.finish_decode(model, launch(backend, model, seeded))
     a = out.reshape(-1).tolist()[0]
     assert a == (next_token(5, 3, 64) + 1234) % 64
-    device.finish_decode(model, launch(device, model, seeded, tokens=(a, 0, 0, 0), positions=(4, 8, -1, -1)))
-    device.prefill(model, **prefill_inputs(), sampling_params=None)
-    device.finish_decode(model, launch(device, model, seeded, positions=(5, 9, -1, -1)))
+    backend.finish_decode(model, launch(backend, model, seeded, tokens=(a, 0, 0, 0), positions=(4, 8, -1, -1)))
+    backend.prefill(model, **prefill_inputs(), sampling_params=None)
+    backend.finish_decode(model, launch(backend, model, seeded, positions=(5, 9, -1, -1)))
     assert [c["reset_batch"] for c in ttnn.recorder.only("model.decode_forward")] == [True, False, True]
 
 
 def test_a_host_sampled_step_makes_the_next_device_step_upload_its_inputs(monkeypatch):
-    device, ttnn, model = resident_device(monkeypatch)
-    device.finish_decode(model, launch(device, model, greedy()))
-    device.finish_decode(model, launch(device, model, None, tokens=(1, 2, 0, 0), positions=(4, 8, -1, -1)))
-    device.finish_decode(model, launch(device, model, greedy(), tokens=(3, 4, 0, 0), positions=(5, 9, -1, -1)))
+    backend, ttnn, model = resident_backend(monkeypatch)
+    backend.finish_decode(model, launch(backend, model, greedy()))
+    backend.finish_decode(model, launch(backend, model, None, tokens=(1, 2, 0, 0), positions=(4, 8, -1, -1)))
+    backend.finish_decode(model, launch(backend, model, greedy(), tokens=(3, 4, 0, 0), positions=(5, 9, -1, -1)))
     assert [(c["reset_batch"], c["inputs"]) for c in ttnn.recorder.only("model.decode_forward")] == [
         (True, "host"), (False, "host"), (True, "host")]
 
 
 def test_untraced_decode_never_keeps_tokens_and_resets_only_when_rows_change(monkeypatch):
-    device, ttnn, model = resident_device(monkeypatch, trace_mode="none")
-    assert not device.resident_tokens
+    backend, ttnn, model = resident_backend(monkeypatch, trace_mode="none")
+    assert not backend.resident_tokens
     for positions in ((3, 7, -1, -1), (4, 8, -1, -1), (5, -1, -1, -1)):
-        device.finish_decode(model, launch(device, model, greedy(), positions=positions))
+        backend.finish_decode(model, launch(backend, model, greedy(), positions=positions))
     assert [(c["reset_batch"], c["inputs"]) for c in ttnn.recorder.only("model.decode_forward")] == [
         (True, "host"), (False, "host"), (True, "host")]
 
 
 def test_a_model_without_reset_batch_is_never_fed_from_the_device(monkeypatch):
-    device, ttnn, model = resident_device(monkeypatch, takes_reset_batch=False)
-    assert not device.resident_tokens
+    backend, ttnn, model = resident_backend(monkeypatch, takes_reset_batch=False)
+    assert not backend.resident_tokens
     with pytest.raises(AssertionError, match="cannot take its decode tokens from the device"):
-        device.device_tokens(launch(device, model, greedy()))
+        launch(backend, model, greedy(), launch(backend, model, greedy()), [0])
 
 
 def test_device_sampling_params_are_tt_metals_with_a_seed_per_row(monkeypatch):
     fake_tt_generator.install(monkeypatch)
-    device, _, _ = resident_device(monkeypatch)
-    params = device.sampling_params(SamplingBatch([0.0, 0.7], [0, 40], [1.0, 0.95]), [None, 7])
+    backend, _, _ = resident_backend(monkeypatch)
+    params = backend.sampling_params(SamplingBatch([0.0, 0.7], [0, 40], [1.0, 0.95]), [None, 7])
     assert params == SamplingParams(temperature=[0.0, 0.7], top_k=[0, 40], top_p=[1.0, 0.95], seed=[None, 7])
 
 
@@ -527,13 +531,13 @@ def test_probe_without_ttnn_says_so_at_once():
 
 @pytest.fixture
 def ttnn_installed(monkeypatch):
-    real = ttnn_backend.importlib.util.find_spec
-    monkeypatch.setattr(ttnn_backend.importlib.util, "find_spec",
+    real = mesh_device.importlib.util.find_spec
+    monkeypatch.setattr(mesh_device.importlib.util, "find_spec",
                         lambda name, *a: object() if name == "ttnn" else real(name, *a))
 
 
 def test_probe_without_device_nodes_does_not_start_ttnn(ttnn_installed, tmp_path, monkeypatch):
-    monkeypatch.setattr(ttnn_backend.subprocess, "run", lambda *a, **k: pytest.fail("started ttnn"))
+    monkeypatch.setattr(mesh_device.subprocess, "run", lambda *a, **k: pytest.fail("started ttnn"))
     ok, reason = probe(device_dir=str(tmp_path / "absent"))
     assert not ok and reason == (f"no Tenstorrent chips detected on this host "
                                  f"(no devices under {tmp_path / 'absent'})")
@@ -551,7 +555,7 @@ def test_probe_checks_visible_devices_against_the_device_nodes(ttnn_installed, t
 
 def test_probe_reads_what_the_child_process_found(ttnn_installed, monkeypatch):
     answer = {"num_devices": 32, "arch": "wormhole_b0", "cluster": "GALAXY"}
-    monkeypatch.setattr(ttnn_backend.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+    monkeypatch.setattr(mesh_device.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 0, stdout="log line\nTTSERVE_PROBE " + json.dumps(answer) + "\n", stderr=""))
     assert probe_chips(device_dir=None) == ChipProbe(True, "32 wormhole_b0 chip(s), cluster GALAXY",
                                                      32, "wormhole_b0", True, "GALAXY")
@@ -563,7 +567,7 @@ def test_probe_runs_ttnn_in_a_child_and_reports_an_import_failure(ttnn_installed
 
 
 def test_probe_never_hangs_on_a_stuck_ttnn(ttnn_installed, monkeypatch):
-    monkeypatch.setattr(ttnn_backend, "_PROBE_SCRIPT", "import time; time.sleep(60)")
+    monkeypatch.setattr(mesh_device, "_PROBE_SCRIPT", "import time; time.sleep(60)")
     found = probe_chips(device_dir=None, timeout_s=0.5)
     assert not found.ok and "did not answer within" in found.reason and "hung" in found.reason
 
@@ -596,7 +600,7 @@ def test_real_ttnn_on_a_chipless_host_refuses_fast_and_clearly():
     python = _ttnn_python()
     if python is None:
         pytest.skip(TTNN_VENV_HELP)
-    if Path(ttnn_backend.DEVICE_DIR).exists():
+    if Path(mesh_device.DEVICE_DIR).exists():
         pytest.skip("this host has Tenstorrent chips; the chipless check does not apply")
     done = subprocess.run([python, str(REPO / "tests/ttnn_real_check.py"), str(REPO)],
                           capture_output=True, text=True, timeout=120)
@@ -621,4 +625,4 @@ def test_real_ttnn_on_a_chipless_host_refuses_fast_and_clearly():
     # not answer within"); the bound is loose, for a loaded machine, yet far below the timeout.
     for key in ("probe", "probe_ttnn", "require", "open_n150", "open_t3k", "open_axis"):
         assert "did not answer within" not in json.dumps(result[key]), (key, result[key])
-        assert result[key]["seconds"] < ttnn_backend.PROBE_TIMEOUT_S / 2, (key, result[key])
+        assert result[key]["seconds"] < mesh_device.PROBE_TIMEOUT_S / 2, (key, result[key])

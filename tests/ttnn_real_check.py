@@ -1,11 +1,13 @@
-"""Runs worker/ttnn_backend.py against the real ttnn wheel, in a Python that has it (3.10/3.12).
+"""Runs worker/backends/ttnn/mesh_device.py against the real ttnn wheel, in a Python that has it
+(3.10/3.12).
 
     <ttnn-python> tests/ttnn_real_check.py <repo-root>
 
 ttserve is not installed in that Python, and its other modules need torch, so this maps only the
 package folders (ttserve/ -> ttserve, worker/ -> ttserve.worker) without running their
-__init__ files; ttnn_backend imports nothing but mesh and options from ttserve. The last line
-printed is one JSON object, prefixed with RESULT, for tests/test_ttnn_backend.py to read.
+__init__ files (the worker's subpackages have nothing in theirs); mesh_device imports nothing but
+planning's mesh and options from ttserve. The last line printed is one JSON object, prefixed with
+RESULT, for tests/test_ttnn_backend.py to read.
 """
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ def main(repo: Path) -> dict:
         package = types.ModuleType(name)
         package.__path__ = [str(repo / folder)]
         sys.modules[name] = package
-    backend = importlib.import_module("ttserve.worker.ttnn_backend")
-    mesh = importlib.import_module("ttserve.worker.mesh")
-    options = importlib.import_module("ttserve.worker.options")
+    backend = importlib.import_module("ttserve.worker.backends.ttnn.mesh_device")
+    mesh = importlib.import_module("ttserve.worker.planning.mesh")
+    options = importlib.import_module("ttserve.worker.planning.options")
     import ttnn
 
     result: dict = {"ttnn_version": getattr(ttnn, "__version__", None),

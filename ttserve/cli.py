@@ -63,7 +63,7 @@ def _model(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from pathlib import Path
 
-    from ttserve.worker.model_prepare import ModelPrepareError, prepare as prepare_model
+    from ttserve.worker.planning.model_prepare import ModelPrepareError, prepare as prepare_model
     try:
         path = prepare_model(args.name, Path(args.cache_dir) if args.cache_dir else None)
     except ModelPrepareError as e:

@@ -157,7 +157,7 @@ def _probe_context(gateway: argparse.Namespace) -> ssl.SSLContext:
 
 def _take_dotted(tokens: list[str]) -> tuple[list[str], list[str]]:
     """The worker's dotted `--additional-config.tt.KEY VALUE` flags, taken out of `tokens`."""
-    from ttserve.worker.options import split_additional_config
+    from ttserve.worker.planning.options import split_additional_config
 
     rest, _ = split_additional_config(tokens)
     return rest, [t for t, kept in zip(tokens, _kept(tokens, rest)) if not kept]

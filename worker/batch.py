@@ -1,4 +1,5 @@
-"""Step batches and results inside the worker (domain objects; protobuf stays in wire.py)."""
+"""Step batches and results inside the worker, and what it tells a control plane about itself
+(domain objects; protobuf stays in wire.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,8 +7,8 @@ from typing import Any
 
 from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
 
-__all__ = ["DecodeItem", "HostSampling", "ImageInput", "NewRequest", "PrefillChunk", "ServingConfig", "StepBatch",
-           "StepResult", "TokenLogprobs"]
+__all__ = ["DecodeItem", "Description", "HostSampling", "ImageInput", "NewRequest", "PrefillChunk", "ServingConfig",
+           "StepBatch", "StepResult", "TokenLogprobs"]
 
 
 @dataclass(slots=True)
@@ -119,3 +120,31 @@ class ServingConfig:
     max_num_seqs: int
     max_model_len: int
     max_num_batched_tokens: int
+
+
+@dataclass(slots=True)
+class Description:
+    """What the worker serves (device.proto DeviceDescription): the model, and once warm its
+    realized layout (`config` None until then)."""
+    backend: str                   # torch | ttnn | sim
+    device: str
+    model_path: str
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    capabilities: dict[str, bool]  # the class's model_capabilities
+    lanes_in_process: bool
+    eos_token_ids: list[int]
+    ready: bool
+    async_decode: bool
+    mixture_of_experts: bool
+    mrope: bool
+    supports_images: bool
+    image_token_id: int            # 0 unless supports_images
+    dtype: str                     # torch's name, e.g. bfloat16
+    draining: bool
+    config: ServingConfig | None = None
+    num_blocks_per_lane: int = 0
+    block_size: int = 0
+    prefill_buckets: list[int] = field(default_factory=list)  # empty: any length runs (eagerly)
+    max_prefill_batch_size: int = 0

@@ -11,7 +11,7 @@ from ttserve.tls import Tls, TlsConfigError, grpc_server_tls
 from ttserve.exit_status import CONFIG_REFUSED
 from ttserve.tls import add_arguments as add_tls_arguments
 
-from .dtype import DTYPE_CHOICES, resolve_dtype
+from .backends.torch.dtype import DTYPE_CHOICES, resolve_dtype
 
 log = logging.getLogger("ttserve.worker")
 
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long the control plane may go on stepping before the "
                         "worker stops")
     g.add_argument("--sim-profile", default="galaxy-llama-3.3-70b",
-                   help="step-time profile of --backend sim (see ttserve.worker.sim.PROFILES)")
+                   help="step-time profile of --backend sim (see ttserve.worker.backends.sim.model.PROFILES)")
     add_tls_arguments(g, role="nobody (a worker calls no service)")
     g.add_argument("--control-identity", default=None, metavar="NAME",
                    help="with mutual TLS: the name (certificate CN or SAN) the control plane's "
@@ -89,14 +89,15 @@ def worker_tls(args: argparse.Namespace) -> Tls:
 
 
 def build_service(args: argparse.Namespace, control_identity: str | None = None):
-    """The worker as the plan says (worker/preflight.py): every check `ttserve check` makes runs
+    """The worker as the plan says (worker/planning/preflight.py): every check `ttserve check` makes runs
     here first, and any problem that would stop start-up stops it now, before a device opens."""
     import torch
 
-    from .preflight import plan_worker
+    from .backends.sim.model import PROFILES, SimModel
+    from .backends.torch.backend import TorchBackend
+    from .planning.preflight import plan_worker
     from .runner import DeviceOptions, ModelRunner
     from .server import DeviceService
-    from .sim import PROFILES, SimModel
 
     plan = plan_worker(args)
     for warning in plan.warnings:
@@ -108,40 +109,41 @@ def build_service(args: argparse.Namespace, control_identity: str | None = None)
     threads = args.num_threads or cpu_threads()
     torch.set_num_threads(threads)
     options, model_cls, device = plan.options, plan.model_cls, torch.device(args.device)
-    device_api = None
     # torch traces decode as a CUDA graph on CUDA (unless tt.trace_mode is "none"); on a CPU
     # only when tt.trace_mode asks, running the trace's static shapes eagerly (every row,
     # the whole page table: slower than computing live rows, meant to check that path).
     device_options = DeviceOptions(options, backend_traces=device.type == "cuda" or "trace_mode" in options,
                                    traced_kinds=frozenset({"decode"}))
     device_name = str(device)
+    dtype, dtype_why = resolve_dtype(args.dtype, device)
     if plan.backend == "sim":
         profile = PROFILES[args.sim_profile]
         model_cls = SimModel.for_profile(profile)
         device_name = f"sim {profile.name} ({profile.description})"
         device_options = DeviceOptions(options, backend_traces=True, kv_tokens_per_lane=profile.kv_tokens_per_lane)
     elif plan.backend == "ttnn":
-        from .device_api import TtnnDevice
-        from .ttnn_backend import TtnnBackend
-
-        device_api = TtnnDevice(TtnnBackend(plan.mesh, options, cluster=plan.chips.cluster), plan.entry.variant)
         device_name = f"mesh {plan.mesh.name} {plan.mesh.shape}"
         device_options = DeviceOptions(options, backend_traces=True)
-    dtype, dtype_why = resolve_dtype(args.dtype, device)
+    if plan.backend == "ttnn":
+        from .backends.ttnn.backend import TtnnBackend
+
+        backend = TtnnBackend(plan.mesh, options, variant=plan.entry.variant, cluster=plan.chips.cluster)
+    else:  # the reference models and the sim's
+        backend = TorchBackend(device, dtype, device_options.traced)
     waits = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if os.environ.get("OMP_WAIT_POLICY")
              else f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")  # how threads wait (run())
     log.info("backend %s (%s); model %s (%s) on %s; dtype %s (%s); %d CPU threads (%s); tt options %s",
              plan.backend, plan.backend_reason, plan.model_path, plan.architecture, device_name,
              str(dtype).removeprefix("torch."), dtype_why, threads, waits, options or "none")
-    runner = ModelRunner(plan.model_path, model_cls, plan.architecture, device, dtype,
-                         args.block_size, args.kv_cache_memory_bytes, device_options, device_api)
+    runner = ModelRunner(plan.model_path, model_cls, plan.architecture, backend, dtype,
+                         args.block_size, args.kv_cache_memory_bytes, device_options)
     return DeviceService(runner, plan.backend, device_name, control_identity=control_identity)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """argparse plus the dotted `--additional-config.tt.KEY VALUE` form, which argparse cannot
     declare (the keys are open-ended)."""
-    from .options import OptionError, split_additional_config
+    from .planning.options import OptionError, split_additional_config
 
     try:
         rest, dotted = split_additional_config(sys.argv[1:] if argv is None else argv)

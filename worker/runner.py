@@ -1,8 +1,11 @@
 """Drives a model through the generator contract: turns step batches into model calls.
 
 The runner owns the per-request device state for the life of one step stream (row, block
-table, sampling parameters, random generator) so each step carries only deltas, and the KV cache
-tensors for the life of the process.
+table, sampling parameters, random generator) so each step carries only deltas, the KV cache
+tensors for the life of the process, and the decode pipeline (the decodes launched ahead, and
+what feeds the next decode's carried rows). How calls reach the device, and the rules of the
+model classes, are the backend's (worker/device.py's DeviceBackend): nothing here is specific to
+one kind of device.
 """
 from __future__ import annotations
 
@@ -12,14 +15,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .batch import (DecodeItem, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult,
                     TokenLogprobs)
-from .device_api import Progress, TorchDevice
-from .options import async_decode_allowed, device_sampling, trace_flags
+from .device import DeviceBackend, PendingDecode, Progress
+from .planning.options import async_decode_allowed, device_sampling, trace_flags
 from .sampling import SamplingBatch, draws, gather_logprobs, sample, seeded_generator
 from .step_check import Limits, check_batch
 
@@ -72,20 +74,21 @@ class RequestState:
 
 @dataclass(slots=True)
 class Launched:
-    """A step started on the device; `readback` is set while a decode's result is still there."""
+    """A step started on the device; `pending` is set while a decode's result is still there."""
     result: StepResult
     started: float
-    received: float                 # when its batch arrived (perf_counter)
-    readback: tuple | None = None   # (the device API's pending decode, decode items)
+    received: float                         # when its batch arrived (perf_counter)
+    pending: PendingDecode | None = None    # a pipelined decode's, until finish()
+    items: list[DecodeItem] = field(default_factory=list)  # that decode's items
 
     @property
     def deferred(self) -> bool:
-        return self.readback is not None
+        return self.pending is not None
 
 
 @dataclass(slots=True, frozen=True)
 class DeviceOptions:
-    """How the runner drives the device: the validated `tt` options (worker/options.py) plus
+    """How the runner drives the device: the validated `tt` options (worker/planning/options.py) plus
     what the backend can do."""
     tt: dict = field(default_factory=dict)
     backend_traces: bool = False              # the backend runs trace shapes (ttnn, sim, torch)
@@ -118,16 +121,14 @@ class KvLayout:
 
 
 class ModelRunner:
-    def __init__(self, model_path: Path, model_cls: type, architecture: str, device: torch.device,
+    def __init__(self, model_path: Path, model_cls: type, architecture: str, backend: DeviceBackend,
                  dtype: torch.dtype, block_size: int, kv_cache_bytes: int,
-                 options: DeviceOptions | None = None, device_api: Any = None) -> None:
+                 options: DeviceOptions | None = None) -> None:
         self.options = options or DeviceOptions()
-        # How model calls reach the device (worker/device_api.py): torch and sim by default.
-        self.device_api = device_api or TorchDevice(device, dtype, self.options.traced)
+        self.backend = backend  # how model calls reach the device (worker/backends/)
         self.model_path = model_path
         self.model_cls = model_cls
         self.architecture = architecture
-        self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.kv_cache_bytes = kv_cache_bytes
@@ -137,11 +138,12 @@ class ModelRunner:
         self.model = None
         self.kv_cache = None
         self._requests: dict[str, RequestState] = {}
-        # Pipelined decodes launched and not yet finished (at most one in steady decode).
+        # The decode pipeline. Pipelined decodes launched and not yet finished (at most one in
+        # steady decode), and the last decode's tokens by row for the rows that carry them into
+        # the next step: host tokens, or while that decode was pipelined its PendingDecode (the
+        # backend takes the tokens from the device, or reads it back first).
         self._deferred: list[Launched] = []
-        # The last decode's tokens by row, for the rows that carry them into the next step; while
-        # that decode is pipelined, whatever device_api.device_tokens returned (it fills them in).
-        self._previous_tokens: Any = torch.zeros(0, dtype=torch.long)
+        self._previous_tokens: torch.Tensor | PendingDecode = torch.zeros(0, dtype=torch.long)
 
     # ---- model facts ---------------------------------------------------------------------
     @staticmethod
@@ -203,12 +205,12 @@ class ModelRunner:
     @functools.cached_property
     def lanes_in_process(self) -> bool:
         """All lanes run in this worker's one model (the control plane may give it several)."""
-        return self.device_api.lanes_in_process(self.model_cls)
+        return self.backend.lanes_in_process(self.model_cls)
 
     @functools.cached_property
     def _device_top_k(self) -> int | None:
         """The largest top_k the device sampler honours exactly (None: no limit)."""
-        return self.device_api.max_top_k(self.capabilities)
+        return self.backend.max_top_k(self.capabilities)
 
     # ---- warmup --------------------------------------------------------------------------
     def warmup(self, config: ServingConfig, progress: Progress) -> None:
@@ -218,15 +220,15 @@ class ModelRunner:
                                  f"configuration {config}: restart the worker to change it")
             return
         # An impossible configuration or KV budget is refused before minutes of weight loading.
-        self.device_api.check(self.model_cls, self.model_path, config)
+        self.backend.check(self.model_cls, self.model_path, config)
         layout = self._kv_layout(config)
         progress("load", 0, 1, f"{self.architecture} from {self.model_path}")
-        self.model = self.device_api.initialize(self.model_cls, self.model_path, self.hf_config, config)
+        self.model = self.backend.initialize(self.model_cls, self.model_path, self.hf_config, config)
         progress("load", 1, 1, "weights loaded")
         self.layout = layout
         progress("allocate", 0, 1, f"{layout.num_blocks_per_lane} blocks x {self.block_size} "
                  f"tokens per lane, {config.num_lanes} lane(s)")
-        self.kv_cache = self.device_api.allocate_kv_cache(
+        self.kv_cache = self.backend.allocate_kv_cache(
             self.model, layout.num_blocks_per_lane, layout.num_kv_heads, self.block_size, layout.head_dim,
             layout.num_layers, config.num_lanes)
         progress("allocate", 1, 1, "KV cache allocated")
@@ -234,7 +236,7 @@ class ModelRunner:
         # lane holds. Traces are captured at this width, and every step sends it.
         width = min(-(-config.max_model_len // self.block_size), layout.num_blocks_per_lane)
         if self.options.warmup:
-            self.device_api.warmup(self.model, self.kv_cache, config, width, progress)
+            self.backend.warmup(self.model, self.kv_cache, config, width, progress)
         else:
             log.warning("tt.enable_model_warmup is false: the first requests compile%s",
                         " and capture traces while serving" if self.options.traced("decode")
@@ -249,11 +251,11 @@ class ModelRunner:
 
     @property
     def max_prefill_batch_size(self) -> int:
-        """Rows of one prefill step: one for a class that cannot mix text-only and image users
-        in a prefill (tt_models.one_prefill_user), else a lane's rows."""
-        from .tt_models import one_prefill_user
+        """Rows of one prefill step: a lane's rows, or fewer where the backend says the class
+        takes fewer users in one prefill (tt-metal's Qwen3-VL: one)."""
         assert self.config is not None
-        return 1 if self.supports_images and one_prefill_user(self.model_cls.__name__) else self.config.max_num_seqs
+        users = self.backend.max_prefill_users(self.model_cls, self.supports_images)
+        return min(users, self.config.max_num_seqs) if users else self.config.max_num_seqs
 
     @property
     def prefill_buckets(self) -> list[int]:
@@ -270,7 +272,7 @@ class ModelRunner:
                            * torch.empty((), dtype=self.dtype).element_size())
         wanted = -(-config.max_num_seqs * config.max_model_len // self.block_size)
         # On a mesh the model states its budget; the sim's profile fixes one; else bytes decide.
-        fixed = (self.device_api.kv_tokens_per_lane(self.model_cls, self.model_path, config, self.block_size)
+        fixed = (self.backend.kv_tokens_per_lane(self.model_cls, self.model_path, config, self.block_size)
                  or self.options.kv_tokens_per_lane)
         if fixed:
             return KvLayout(min(wanted, -(-fixed // self.block_size)), self.block_size,
@@ -285,14 +287,14 @@ class ModelRunner:
     def reset(self) -> None:
         """A new step stream starts with no request state and nothing on the device: a
         pipelined decode the last stream left behind (it ended while one was held) is read
-        back and dropped, so the device API's count of decodes in flight starts at zero."""
+        back and dropped, so the backend's count of decodes in flight starts at zero."""
         for launched in self._deferred[:]:
             try:
                 self.finish(launched)
             except Exception:
                 log.exception("dropping a decode the previous step stream left in flight")
         self._deferred.clear()
-        self.device_api.reset()
+        self.backend.reset()
         self._requests.clear()
         self._previous_tokens = torch.zeros(0, dtype=torch.long)
 
@@ -304,13 +306,13 @@ class ModelRunner:
         """Release the model (and its traces) before the device closes."""
         self.reset()
         self.model = self.kv_cache = None
-        self.device_api.close()
+        self.backend.close()
 
     @property
     def async_decode(self) -> bool:
         """Decode steps can be pipelined: the model reads back asynchronously and decode
         samples on the device (host sampling needs the logits first)."""
-        return (self.capabilities.get("supports_sample_on_device", False) and self.device_api.resident_tokens
+        return (self.capabilities.get("supports_sample_on_device", False) and self.backend.resident_tokens
                 and async_decode_allowed(self.options.tt, self.capabilities)[0])
 
     def execute(self, batch: StepBatch) -> StepResult:
@@ -355,11 +357,10 @@ class ModelRunner:
     def finish(self, launched: Launched) -> StepResult:
         """Wait for a launched step's readback and return its result."""
         result = launched.result
-        if launched.readback is not None:
+        if launched.pending is not None:
             self._deferred.remove(launched)
-            pending, items = launched.readback
-            out = self.device_api.finish_decode(self.model, pending)
-            result.tokens = self._collect(items, out.reshape(-1).tolist())
+            out = self.backend.finish_decode(self.model, launched.pending)
+            result.tokens = self._collect(launched.items, out.reshape(-1).tolist())
         now = time.perf_counter()
         result.model_s, result.total_s = now - launched.started, now - launched.received
         return result
@@ -405,15 +406,15 @@ class ModelRunner:
         # request draws the same random numbers however its prompt was chunked.
         sampling = _sampling_batch([s if c.sample else None for s, c in zip(states, chunks)],
                                    [c.token_bitmask if c.sample else None for c in chunks])
-        # A vision model's prefill samples on the host: tt-metal's vision classes drop
-        # sampling_params in prefill and return logits (qwen25_vl/qwen3_vl generator_vllm.py).
-        on_device = not self.supports_images and self._samples_on_device(
+        # A vision model's prefill may return logits whatever it is asked (the backend says).
+        host_only = self.supports_images and self.backend.vision_prefill_samples_on_host
+        on_device = not host_only and self._samples_on_device(
             "prefill", states, all(c.sample for c in chunks), any(c.token_bitmask for c in chunks))
-        out = self.device_api.prefill(
+        out = self.backend.prefill(
             self.model, tokens=tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
             prompt_lens=torch.tensor([c.start_pos + len(c.token_ids) for c in chunks]),
             start_pos=torch.tensor([c.start_pos for c in chunks]),
-            sampling_params=self.device_api.sampling_params(sampling, [s.seed for s in states]) if on_device else None,
+            sampling_params=self.backend.sampling_params(sampling, [s.seed for s in states]) if on_device else None,
             empty_slots=rows, **images, **({"rope_deltas": True} if self.uses_mrope else {}))
         if self.uses_mrope:
             out, deltas = out
@@ -505,18 +506,18 @@ class ModelRunner:
         # mRoPE: every row's rope delta, an authoritative list by row (tt-metal's
         # rope_deltas_all_users; the plugin sends it whenever its batch changed).
         rope = {"rope_deltas_all_users": [s.rope_delta if s else 0 for s in by_row]} if self.uses_mrope else {}
-        pending = self.device_api.launch_decode(
-            self.model, self.device_api.sampling_params(sampling, [s.seed if s else None for s in by_row])
+        pending = self.backend.launch_decode(
+            self.model, self.backend.sampling_params(sampling, [s.seed if s else None for s in by_row])
             if on_device else None, tokens=tokens, start_pos=positions, page_table=self._page_table,
             kv_cache=self.kv_cache, previous=self._previous_tokens, carried_rows=carried, **rope)
         if pipelined and on_device:
             # The result stays on the device until finish(), after the next step is launched;
-            # that step's carried rows take these tokens from the device (device_api decides how).
-            self._previous_tokens = self.device_api.device_tokens(pending)
-            launched.readback = (pending, items)
+            # that step's carried rows take these tokens from it (the backend decides how).
+            self._previous_tokens = pending
+            launched.pending, launched.items = pending, items
             self._deferred.append(launched)
             return
-        out = self.device_api.finish_decode(self.model, pending)
+        out = self.backend.finish_decode(self.model, pending)
         row_logprobs: dict[int, TokenLogprobs] = {}
         if not on_device:
             # Only the live rows are sampled: the others' logits are garbage by contract, and
@@ -529,9 +530,9 @@ class ModelRunner:
             out[live] = sampled
             row_logprobs = {row: lp for row, lp in zip(live, gather_logprobs(logits, sampled, picked))
                             if lp is not None}
-        self._previous_tokens = out.reshape(-1)
+        self._previous_tokens = out = out.reshape(-1)
         result = launched.result
-        result.tokens = self._collect(items, self._previous_tokens.tolist())
+        result.tokens = self._collect(items, out.tolist())
         if row_logprobs:
             result.logprobs = {rid: lp for rid in result.tokens
                                if (lp := row_logprobs.get(self._requests[rid].row)) is not None}

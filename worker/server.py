@@ -9,15 +9,15 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-import ttserve
 from ttserve.grpc_service import GrpcService, start_server
-from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.tls import PLAINTEXT, Tls, peer_names
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
+from .batch import Description
 from .metrics import WorkerMetrics
 from .runner import ModelRunner
-from .wire import batch_from_pb, config_from_pb, config_to_pb, result_to_pb
+from .wire import (batch_from_pb, config_from_pb, description_to_pb, draining_to_pb, progress_to_pb, result_to_pb,
+                   step_error_to_pb, warm_to_pb)
 
 log = logging.getLogger(__name__)
 
@@ -94,29 +94,21 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             await asyncio.sleep(0.01)
         log.info("drained")
 
-    def _describe(self) -> device_pb2.DeviceDescription:
+    def description(self) -> Description:
         r = self.runner
-        caps = r.capabilities
-        d = device_pb2.DeviceDescription(
-            protocol_version=PROTOCOL_VERSION, version=ttserve.__version__, backend=self.backend,
-            device=self.device, model_path=str(r.model_path), architecture=r.architecture,
+        d = Description(
+            backend=self.backend, device=self.device, model_path=str(r.model_path), architecture=r.architecture,
             vocab_size=r.vocab_size, max_position_embeddings=r.max_position_embeddings,
-            capabilities=device_pb2.ModelCapabilities(
-                supports_prefix_caching=caps.get("supports_prefix_caching", False),
-                supports_async_decode=caps.get("supports_async_decode", False),
-                supports_sample_on_device=caps.get("supports_sample_on_device", False),
-                supports_chunked_prefill=caps.get("supports_chunked_prefill", False),
-                single_execute_lanes=r.lanes_in_process),
-            eos_token_ids=r.eos_token_ids, ready=r.config is not None, async_decode=r.async_decode,
-            mixture_of_experts=r.is_mixture_of_experts, mrope=r.uses_mrope,
-            supports_images=r.supports_images, image_token_id=r.image_token_id if r.supports_images else 0,
+            capabilities=r.capabilities, lanes_in_process=r.lanes_in_process, eos_token_ids=r.eos_token_ids,
+            ready=r.config is not None, async_decode=r.async_decode, mixture_of_experts=r.is_mixture_of_experts,
+            mrope=r.uses_mrope, supports_images=r.supports_images,
+            image_token_id=r.image_token_id if r.supports_images else 0,
             dtype=str(r.dtype).removeprefix("torch."), draining=self.draining)
         if r.config is not None and r.layout is not None:
-            d.config.CopyFrom(config_to_pb(r.config))
+            d.config = r.config
             d.num_blocks_per_lane = r.layout.num_blocks_per_lane
             d.block_size = r.layout.block_size
-            d.decode_batch_size = r.config.max_num_seqs
-            d.prefill_buckets.extend(r.prefill_buckets)  # empty: any length runs (eagerly)
+            d.prefill_buckets = r.prefill_buckets
             d.max_prefill_batch_size = r.max_prefill_batch_size
         return d
 
@@ -134,7 +126,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
 
     async def Describe(self, request: device_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> device_pb2.DeviceDescription:
-        return self._describe()
+        return description_to_pb(self.description())
 
     async def _refuse_unless_control_plane(self, context: grpc.aio.ServicerContext, call: str) -> None:
         if self.control_identity is None:
@@ -163,8 +155,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         def progress(phase: str, completed: int, total: int, detail: str) -> None:
             log.info("warmup %s %d/%d %s", phase, completed, total, detail)
             self.metrics.warmup(phase, completed, total)
-            loop.call_soon_threadsafe(updates.put_nowait, device_pb2.WarmupProgress(
-                phase=phase, completed=completed, total=total, detail=detail))
+            loop.call_soon_threadsafe(updates.put_nowait, progress_to_pb(phase, completed, total, detail))
 
         started = time.monotonic()
         async with self._warmup_lock:
@@ -172,9 +163,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             if self._stepping:
                 # A step of an earlier stream (one its control plane gave up on as stalled) still
                 # holds the device; warmup queues behind it on the device thread.
-                yield device_pb2.WarmupProgress(
-                    phase="wait", completed=0, total=1,
-                    detail="a step of an earlier step stream is still running on the device")
+                yield progress_to_pb("wait", 0, 1, "a step of an earlier step stream is still running on the device")
             task = asyncio.create_task(self._on_device(self.runner.warmup, config, progress))
             while not task.done() or not updates.empty():
                 getter = asyncio.create_task(updates.get())
@@ -192,8 +181,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         if self.runner.layout is not None and not warm_already:
             self.metrics.kv_blocks.set(self.runner.layout.num_blocks_per_lane)
             self._log_summary(time.monotonic() - started)
-        yield device_pb2.WarmupProgress(phase="done", completed=1, total=1, done=True,
-                                        description=self._describe())
+        yield warm_to_pb(self.description())
 
     async def Step(self, batches: AsyncIterator[device_pb2.StepBatch],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[device_pb2.StepResult]:
@@ -216,7 +204,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             async for pb in self._batches_until_drained(batches):
                 if pb is None:
                     log.info("telling the control plane this worker shuts down")
-                    yield device_pb2.StepResult(draining=True)
+                    yield draining_to_pb()
                     continue
                 received = time.perf_counter()
                 batch = batch_from_pb(pb)
@@ -228,12 +216,12 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     # The step's inputs may be what failed (one request's), not the device: the
                     # device state is dropped as at a new stream and the stream goes on; the
                     # control plane recomputes its requests and isolates the failed step's.
-                    log.exception("step %d failed; dropping all device state and serving on", pb.step_id)
+                    log.exception("step %d failed; dropping all device state and serving on", batch.step_id)
                     await self._on_device(self.runner.reset)
                     # One result per step sent, in order: a decode held on the device (whose
                     # readback may be what raised) fails with this one.
-                    for step_id in [*held, pb.step_id]:
-                        yield device_pb2.StepResult(step_id=step_id, error=f"{type(e).__name__}: {e}")
+                    for step_id in [*held, batch.step_id]:
+                        yield step_error_to_pb(step_id, f"{type(e).__name__}: {e}")
                     continue
                 for result in results:
                     self.metrics.step(result.kind, result)

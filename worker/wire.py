@@ -1,10 +1,13 @@
 """The one place the worker converts between protobuf and its domain objects."""
 from __future__ import annotations
 
+import ttserve
+from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.tensor_wire import tensor_from_pb
 from ttserve.v1 import device_pb2, multimodal_pb2
 
-from .batch import DecodeItem, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult
+from .batch import (DecodeItem, Description, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig,
+                    StepBatch, StepResult)
 
 _KIND = {device_pb2.STEP_KIND_EMPTY: "empty", device_pb2.STEP_KIND_PREFILL: "prefill",
          device_pb2.STEP_KIND_DECODE: "decode"}
@@ -63,6 +66,51 @@ def result_to_pb(r: StepResult) -> device_pb2.StepResult:
         refused=[device_pb2.RefusedRequest(request_id=rid, message=m) for rid, m in r.refused.items()],
         timings=device_pb2.StepTimings(model_s=r.model_s, total_s=r.total_s,
                                        traced=r.traced, sampled_on_device=r.sampled_on_device))
+
+
+def step_error_to_pb(step_id: int, error: str) -> device_pb2.StepResult:
+    """The result of a step that failed on the device (every step held with it fails too)."""
+    return device_pb2.StepResult(step_id=step_id, error=error)
+
+
+def draining_to_pb() -> device_pb2.StepResult:
+    """The step stream's notice that this worker shuts down."""
+    return device_pb2.StepResult(draining=True)
+
+
+def description_to_pb(d: Description) -> device_pb2.DeviceDescription:
+    caps = d.capabilities
+    pb = device_pb2.DeviceDescription(
+        protocol_version=PROTOCOL_VERSION, version=ttserve.__version__, backend=d.backend,
+        device=d.device, model_path=d.model_path, architecture=d.architecture,
+        vocab_size=d.vocab_size, max_position_embeddings=d.max_position_embeddings,
+        capabilities=device_pb2.ModelCapabilities(
+            supports_prefix_caching=caps.get("supports_prefix_caching", False),
+            supports_async_decode=caps.get("supports_async_decode", False),
+            supports_sample_on_device=caps.get("supports_sample_on_device", False),
+            supports_chunked_prefill=caps.get("supports_chunked_prefill", False),
+            single_execute_lanes=d.lanes_in_process),
+        eos_token_ids=d.eos_token_ids, ready=d.ready, async_decode=d.async_decode,
+        mixture_of_experts=d.mixture_of_experts, mrope=d.mrope,
+        supports_images=d.supports_images, image_token_id=d.image_token_id, dtype=d.dtype, draining=d.draining)
+    if d.config is not None:
+        pb.config.CopyFrom(config_to_pb(d.config))
+        pb.num_blocks_per_lane = d.num_blocks_per_lane
+        pb.block_size = d.block_size
+        pb.decode_batch_size = d.config.max_num_seqs
+        pb.prefill_buckets.extend(d.prefill_buckets)
+        pb.max_prefill_batch_size = d.max_prefill_batch_size
+    return pb
+
+
+def progress_to_pb(phase: str, completed: int, total: int, detail: str) -> device_pb2.WarmupProgress:
+    return device_pb2.WarmupProgress(phase=phase, completed=completed, total=total, detail=detail)
+
+
+def warm_to_pb(description: Description) -> device_pb2.WarmupProgress:
+    """Warmup's last message: done, with what the worker now serves."""
+    return device_pb2.WarmupProgress(phase="done", completed=1, total=1, done=True,
+                                     description=description_to_pb(description))
 
 
 def config_from_pb(w: device_pb2.WarmupRequest) -> ServingConfig:

@@ -6,7 +6,7 @@ declared architecture with an entry wins.
 
 Where entries come from:
 
-* Built-in, per backend. `torch`: ttserve's reference models (ttserve.worker.models). `ttnn`:
+* Built-in, per backend. `torch`: ttserve's reference models (ttserve.worker.backends.torch.models). `ttnn`:
   tt-metal's model classes, held as lazy "module:Class" strings and imported only when selected,
   so a host without tt-metal can still list them. `TT_LLAMA_TEXT_VER` and `TT_QWEN3_TEXT_VER`
   switch the Llama and Qwen3 entries to tt-metal's Galaxy implementations.
@@ -154,7 +154,7 @@ def import_problem(target: str, error: BaseException, tt_metal: bool = False) ->
     module = target.partition(":")[0]
     missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
     if missing and missing.split(".")[0] == "vllm":
-        from .tt_models import VLLM_FIX
+        from ..backends.ttnn.tt_models import VLLM_FIX
         return (f"{module} imports vLLM at its top and vLLM is not importable here "
                 f"({sys.executable}): {VLLM_FIX}")
     tip = (" (is tt-metal installed, with its root on PYTHONPATH?)"
@@ -243,7 +243,7 @@ def builtins_enabled(env: Mapping[str, str]) -> bool:
 
 def builtin_entries(backend: str, env: Mapping[str, str], test_models: bool = False) -> dict[str, Entry]:
     if backend == "torch":
-        from .models import REFERENCE_ARCHITECTURES
+        from ..backends.torch.models import REFERENCE_ARCHITECTURES
         return {tt_name(arch): Entry(tt_name(arch), cls, "torch")
                 for arch, cls in REFERENCE_ARCHITECTURES.items()}
     fixed = {**_TTNN_FIXED, **(_TTNN_TEST_MODELS if test_models else {})}

@@ -76,7 +76,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 
 @dataclass(frozen=True, slots=True)
 class BuiltModel:
-    """A model built here from nothing but transformers and a seed (worker/tiny_vlm.py)."""
+    """A model built here from nothing but transformers and a seed (worker/planning/tiny_vlm.py)."""
 
     folder: str
     needs: str          # the embedded model whose tokenizer it reuses
@@ -347,7 +347,7 @@ def _check_folder(spec: EmbeddedModel, out: Path, transformers: ModuleType) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ttserve.worker.model_prepare [name]`: prepare ahead of serving; prints the path."""
+    """`python -m ttserve.worker.planning.model_prepare [name]`: prepare ahead of serving; prints the path."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = sys.argv[1:] if argv is None else argv
     try:

@@ -215,7 +215,7 @@ class TorchLlamaForCausalLM:
     """Llama-family decoder in plain torch, driven through the tt-metal generator contract.
 
     On a CPU in 16 bits, norms, RoPE and paged attention run vLLM CPU's compiled kernels when
-    they are installed (worker/models/cpu_kernels.py): the KV cache then takes their layout and
+    they are installed (worker/backends/torch/models/cpu_kernels.py): the KV cache then takes their layout and
     every forward packs its tokens without padding. Otherwise, and always in float32, plain torch."""
 
     model_capabilities = {
@@ -310,7 +310,7 @@ class TorchLlamaForCausalLM:
         """One cache per lane: [lane][layer] -> [K, V], each kv_cache_shape plus one scratch block
         (the last) that static-shape decode steps write their empty rows into. The tensors are
         views of one storage per lane: vLLM CPU's layout when its kernels serve the model
-        (cpu_kernels.allocate), else worker/models/paged_kv.py's."""
+        (cpu_kernels.allocate), else worker/backends/torch/models/paged_kv.py's."""
         blocks, kv_heads, block_size, head_dim = kv_cache_shape
         if (kv_heads, head_dim) != (self.shape.num_kv_heads, self.shape.head_dim):
             raise ValueError(f"kv_cache_shape {tuple(kv_cache_shape)} does not fit the model: "

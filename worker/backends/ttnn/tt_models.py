@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .mesh import MeshSpec
+from ...planning.mesh import MeshSpec
 
 # The plugin folds --data-parallel-size into in-process lanes for these generator versions
 # (platform.py _GALAXY_GENERATOR_VERSIONS) and for GPT-OSS (_model_folds_dp_into_lanes); every

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..backends.ttnn.tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment,
+                                       data_parallel_problem, device_top_k, folds_dp_into_lanes, image_input_problem,
+                                       kv_budget, optimizations_problem, tt_data_parallel)
 from .mesh import PRESETS, MeshError, MeshSpec, fabric_for, mesh_from_env, resolve_mesh
-from .tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment, image_input_problem,
-                        data_parallel_problem, device_top_k, folds_dp_into_lanes, kv_budget, optimizations_problem, tt_data_parallel)
 
 # resolve_mesh's device count for a plan made without chips: any named mesh fits.
 _UNBOUNDED = 1 << 16
@@ -48,7 +49,7 @@ class WorkerPlan:
     entry: Any = None                       # registry.Entry
     model_cls: type | None = None
     family: ModelFamily | None = None       # ttnn only
-    chips: Any = None                       # ttnn_backend.ChipProbe, when probed
+    chips: Any = None                       # backends.ttnn.mesh_device.ChipProbe, when probed
     mesh: MeshSpec | None = None
     fabric: str | None = None
     lanes_in_process: bool = True
@@ -86,7 +87,7 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
 
     `serving`: the control plane's flags when known (`ttserve check`); the worker itself learns
     them at warmup. `need_hardware`: missing chips are fatal (the worker) or a warning (a check).
-    `probe` asks ttnn for the chips (ttnn_backend.probe_chips by default): once, in a child
+    `probe` asks ttnn for the chips (backends.ttnn.mesh_device.probe_chips by default): once, in a child
     process; nothing here opens a device.
     """
     from .model_prepare import ModelPrepareError, prepared_folder
@@ -145,7 +146,7 @@ def _choose_backend(plan: WorkerPlan, requested: str, need_hardware: bool, probe
     if requested in ("torch", "sim"):
         plan.backend, plan.backend_reason = requested, "requested"
     else:
-        from .ttnn_backend import probe_chips, unavailable_message
+        from ..backends.ttnn.mesh_device import probe_chips, unavailable_message
         plan.chips = (probe or probe_chips)()
         if plan.chips.ok:
             plan.backend, plan.backend_reason = "ttnn", plan.chips.reason
@@ -163,7 +164,7 @@ def _choose_backend(plan: WorkerPlan, requested: str, need_hardware: bool, probe
 def _plan_reference(plan: WorkerPlan, args: argparse.Namespace, env: Mapping[str, str]) -> None:
     """torch and sim: ttserve's reference model classes (the sim takes their contract shape)."""
     from .registry import RegistryError, build_registry
-    from .sim import PROFILES
+    from ..backends.sim.model import PROFILES
 
     try:
         plan.architecture, plan.model_cls = build_registry("torch", env).resolve(plan.hf_config.get("architectures") or [])
@@ -222,7 +223,7 @@ def _plan_ttnn(plan: WorkerPlan, env: Mapping[str, str], serving: Serving | None
     if family.imports_vllm:
         import importlib.util
         if importlib.util.find_spec("vllm") is None:
-            from .tt_models import VLLM_FIX
+            from ..backends.ttnn.tt_models import VLLM_FIX
             plan.refuse(f"{family.module} imports vLLM at its top and vLLM is not installed for this "
                         f"Python: {VLLM_FIX}")
     try:

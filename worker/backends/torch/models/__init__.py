@@ -2,13 +2,13 @@
 
 Keyed by the checkpoint's declared architecture (config.json "architectures"), not its name.
 """
-from ttserve.worker.models.llama import (
+from .llama import (
     TorchLlamaForCausalLM,
     TorchMistralForCausalLM,
     TorchQwen2ForCausalLM,
     TorchQwen3ForCausalLM,
 )
-from ttserve.worker.models.qwen2_5_vl import TorchQwen2_5_VLForConditionalGeneration
+from .qwen2_5_vl import TorchQwen2_5_VLForConditionalGeneration
 
 REFERENCE_ARCHITECTURES: dict[str, type[TorchLlamaForCausalLM]] = {
     "LlamaForCausalLM": TorchLlamaForCausalLM,
