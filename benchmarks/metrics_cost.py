@@ -1,9 +1,10 @@
 """What the control plane's request metrics cost per decode step, against the rest of what a step's
-results cost it: building each request's RequestOutput for its client (`output_to_pb`).
+results cost it: building each request's RequestOutput for its client (`output_of`, then the
+session's `output_to_pb`).
 
 Every step, each running request gains one token, and the engine both publishes it and counts it
 (TTFT, inter-token latency, token counters). Measured in one run, per step of N running requests:
-  - baseline: output_to_pb for every request (work the control plane does anyway);
+  - baseline: output_of and output_to_pb for every request (work the control plane does anyway);
   - ttserve:  Request.record_tokens and ControlMetrics.progressed for every request (the arrival
               recorded on the request, then TokenHistogram and plain tallies);
   - naive:    the same observations through prometheus_client's Histogram and labelled Counter.
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ttserve.control.metrics import ITL_BUCKETS, ControlMetrics
 from ttserve.control.request import Request, SamplingParams
+from ttserve.control.session import output_of
 from ttserve.control.wire import output_to_pb
 
 
@@ -53,7 +55,7 @@ def per_step(running: int, steps: int, work: Callable[[Request, float], None]) -
 
 def publish(request: Request, now: float) -> None:
     request.num_sent_tokens = len(request.output_token_ids) - 1
-    output_to_pb(request)
+    output_to_pb(output_of(request))
 
 
 def ttserve_metrics() -> Callable[[Request, float], None]:

@@ -6,21 +6,21 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-from ttserve.v1 import engine_pb2
 
 from . import images
 from .admission import AdmissionError, Limits, check_request
 from .grammar import Grammar, GrammarCompiler, GrammarError
 from .metrics import ControlMetrics
-from .engine_config import EngineConfig, ServingLimits
+from .engine_config import EngineConfig
 from .placement import choose_lane
 from .request import FinishReason, Request
-from .wire import WorkerDescription, admission_pb, mm_inputs_problem, output_to_pb, request_from_pb
+from .serving_plan import IncompatibleWorker, ServingPlan, plan_serving
+from .session import Admission, RequestOutput, SessionMessage, StepOutputs, Verdict, output_of
 from .client_text import first_line, for_client
 from .queue_bounds import Ledger
-from .worker_group import IncompatibleWorker, StepFailure, WorkerDraining, WorkerGroup, WorkerLost
+from .worker_group import StepFailure, Warm, WorkerDraining, WorkerGroup, WorkerLost
 from .worker_link import WorkerError
 from .worker_set import WorkerSpec
 
@@ -38,7 +38,7 @@ class Engine:
     def __init__(self, config: EngineConfig, metrics: ControlMetrics | None = None) -> None:
         self.config = config
         self.requests: dict[str, Request] = {}
-        self._clients: dict[int, asyncio.Queue[engine_pb2.ServerMessage | None]] = {}
+        self._clients: dict[int, asyncio.Queue[SessionMessage | None]] = {}
         self._next_client_id = 1
         self.metrics = metrics or ControlMetrics()
         # By id, in the order they joined; an id is never reused, so a request's `worker` never
@@ -53,7 +53,8 @@ class Engine:
             self._add_worker(spec)
         self.metrics.watch(self)
         self.draining = False
-        self.serving: ServingLimits | None = None
+        # The first warm worker's plan: the limits every worker and request must honour.
+        self.serving: ServingPlan | None = None
         # Grammars compile here, never on the event loop that runs the step loops.
         self.grammars: GrammarCompiler | None = None
         self._compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ttserve-grammar")
@@ -100,7 +101,7 @@ class Engine:
                       block_size=s.block_size) if s else None
 
     # ---- client sessions -----------------------------------------------------------------
-    def open_session(self) -> tuple[int, asyncio.Queue[engine_pb2.ServerMessage | None]]:
+    def open_session(self) -> tuple[int, asyncio.Queue[SessionMessage | None]]:
         client_id = self._next_client_id
         self._next_client_id += 1
         self._clients[client_id] = asyncio.Queue()
@@ -111,45 +112,46 @@ class Engine:
         self._clients.pop(client_id, None)
         self.abort([rid for rid, r in self.requests.items() if r.client_id == client_id], client_id)
 
-    def add(self, add: engine_pb2.AddRequest, client_id: int) -> None:
-        """Admit or refuse a request; the session always gets exactly one Admission for it."""
-        queue = self._clients[client_id]
+    def add(self, request: Request, unsupported: Sequence[str] = (), image_problem: str | None = None) -> None:
+        """Admit or refuse a request (as wire.request_from_pb made it: its session in `client_id`,
+        its wire size in `held_bytes`); the session always gets exactly one Admission for it.
+        `unsupported`: options it sets that this release does not apply; `image_problem`: why its
+        image tensors are malformed (wire.mm_inputs_problem)."""
+        queue = self._clients[request.client_id]
         limits = self.limits
         ready = self._serving_workers()
         if self.draining:
             self.metrics.refused.labels("draining").inc()
-            queue.put_nowait(admission_pb(
-                add.request_id, engine_pb2.Admission.VERDICT_UNAVAILABLE,
+            queue.put_nowait(Admission(
+                request.request_id, Verdict.UNAVAILABLE,
                 "the control plane is shutting down: it finishes the requests it holds and admits "
                 "no new ones; retry on another replica"))
             return
         if not ready or limits is None:
             self.metrics.refused.labels("unavailable").inc()
-            queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_UNAVAILABLE,
-                                          self._for_client(f"no worker is ready ({self.not_ready_reason})")))
+            queue.put_nowait(Admission(request.request_id, Verdict.UNAVAILABLE,
+                                       self._for_client(f"no worker is ready ({self.not_ready_reason})")))
             return
         loads = [load for w in ready for load in w.loads()]
         rows = len(loads) * self.config.max_num_seqs
         # Requests that take a free row at the next step are not queued.
         waiting = max(len(self._migrating) + sum(load.waiting for load in loads)
                       - (rows - sum(load.running for load in loads)), 0)
-        overloaded = self._ledger.refusal(self.config.queue, waiting, rows, add.tenant, add.ByteSize())
+        overloaded = self._ledger.refusal(self.config.queue, waiting, rows, request.tenant, request.held_bytes)
         if overloaded:
             self.metrics.refused.labels("overloaded").inc()
-            queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_OVERLOADED, overloaded))
+            queue.put_nowait(Admission(request.request_id, Verdict.OVERLOADED, overloaded))
             return
-        request, unsupported = request_from_pb(add, client_id)
         request.record_received(time.monotonic())
         try:
             if request.request_id in self.requests:
                 raise AdmissionError(f"request id {request.request_id!r} is already in use")
-            check_request(request, unsupported, limits)
-            problem = mm_inputs_problem(add) if add.mm_inputs else None
-            if problem:
-                raise AdmissionError(f"invalid image inputs: {problem}")
+            check_request(request, list(unsupported), limits)
+            if image_problem:
+                raise AdmissionError(f"invalid image inputs: {image_problem}")
         except AdmissionError as e:
             self.metrics.refused.labels("invalid").inc()
-            queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_INVALID_ARGUMENT, str(e)))
+            queue.put_nowait(Admission(request.request_id, Verdict.INVALID_ARGUMENT, str(e)))
             return
         placed = choose_lane([c for w in ready for c in w.candidates()], request)
         self.requests[request.request_id] = request
@@ -158,7 +160,7 @@ class Engine:
             request.await_grammar()
             self._compile(request)
         self.workers[placed.worker].admit(request, placed.index)
-        queue.put_nowait(admission_pb(add.request_id, engine_pb2.Admission.VERDICT_ACCEPTED))
+        queue.put_nowait(Admission(request.request_id, Verdict.ACCEPTED))
 
     def _compile(self, request: Request) -> None:
         """Compile the request's grammar on the pool; when done, the request becomes ready (or
@@ -277,7 +279,7 @@ class Engine:
             retry_s = self.config.reconnect_interval_s
             try:
                 warm = await worker.connect(len(self.workers))
-                worker.start(self._check_limits(warm, warm.num_blocks_per_lane * warm.block_size).max_model_len)
+                worker.start(warm.description, self._plan(warm))
                 self._place_migrating()
                 async for stepped in worker.steps():
                     if isinstance(stepped, StepFailure):
@@ -314,41 +316,16 @@ class Engine:
                 await worker.close()
             await asyncio.sleep(retry_s)
 
-    def _check_limits(self, d: WorkerDescription, lane_capacity: int) -> ServingLimits:
-        """The first worker fixes the serving limits; later ones must serve the same model and
-        hold a max_model_len sequence in one lane."""
+    def _plan(self, warm: Warm) -> ServingPlan:
+        """The warm worker's serving plan (serving_plan.plan_serving). The first worker's fixes
+        the serving limits; later ones must serve the same model and hold a max_model_len
+        sequence in one lane, or raise IncompatibleWorker."""
+        plan = plan_serving(self.config, warm.description, warm.asked, self.serving)
         if self.serving is None:
-            # --max-model-len -1 fits one request to a lane's whole KV cache (vLLM's meaning).
-            max_model_len = max(self.config.max_model_len, 0) or d.max_position_embeddings
-            if lane_capacity < max_model_len:
-                fitting = self.config.max_model_len == -1  # asked for: no warning
-                (log.info if fitting else log.warning)("max_model_len lowered from %d to %d: one lane's KV "
-                                                       "cache holds %d tokens", max_model_len, lane_capacity,
-                                                       lane_capacity)
-                max_model_len = lane_capacity
-            chunk_limit = 0
-            if d.supports_chunked_prefill:
-                chunk_limit = max(self.config.max_num_batched_tokens, d.block_size)
-                if d.prefill_buckets:
-                    chunk_limit = min(chunk_limit, max(d.prefill_buckets))
-            self.serving = ServingLimits(d.architecture, d.vocab_size, max_model_len, d.block_size,
-                                         d.supports_images, chunk_limit)
-            self.grammars = GrammarCompiler(self.config.tokenizer or d.model_path, d.vocab_size,
-                                            d.eos_token_ids)
-            return self.serving
-        s = self.serving
-        if (d.architecture, d.vocab_size) != (s.architecture, s.vocab_size):
-            raise IncompatibleWorker(f"the worker at {d.address} serves {d.architecture} (vocabulary "
-                               f"{d.vocab_size}) but this control plane serves {s.architecture} "
-                               f"(vocabulary {s.vocab_size}): every worker must serve the same model")
-        if d.block_size != s.block_size:
-            raise IncompatibleWorker(f"the worker at {d.address} uses KV blocks of {d.block_size} tokens but "
-                               f"the first worker uses {s.block_size}: start every worker with the same "
-                               "--block-size (prefix caching and placement hash whole blocks)")
-        if lane_capacity < s.max_model_len:
-            raise IncompatibleWorker(f"the worker at {d.address} holds {lane_capacity} tokens per lane, "
-                                     f"below max_model_len {s.max_model_len}: give it more KV memory")
-        return s
+            d = warm.description
+            self.serving = plan
+            self.grammars = GrammarCompiler(self.config.tokenizer or d.model_path, d.vocab_size, d.eos_token_ids)
+        return plan
 
     # ---- shutdown --------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> None:
@@ -381,15 +358,15 @@ class Engine:
             queue.put_nowait(None)
 
     def _publish(self, step_id: int, changed: list[Request]) -> None:
-        by_client: dict[int, list[engine_pb2.RequestOutput]] = {}
+        """Queue each changed request's delta for its session, copied now (output_of): the
+        request is marked sent at once and moves on while the copy waits to be sent."""
+        by_client: dict[int, list[RequestOutput]] = {}
         mono = time.monotonic()
         for request in changed:
             new = request.record_tokens(mono)
             if new:
                 self.metrics.progressed(request, new, self.worker_names[request.worker])
-            out = output_to_pb(request)
-            if out.error:
-                out.error = self._for_client(out.error)
+            out = output_of(request, self._for_client(request.error) if request.error else None)
             by_client.setdefault(request.client_id, []).append(out)
             request.mark_sent()
             if request.is_finished:
@@ -400,8 +377,7 @@ class Engine:
         for client_id, outputs in by_client.items():
             queue = self._clients.get(client_id)
             if queue is not None:
-                queue.put_nowait(engine_pb2.ServerMessage(outputs=engine_pb2.StepOutputs(
-                    step_id=step_id, timestamp=now, outputs=outputs)))
+                queue.put_nowait(StepOutputs(step_id, now, tuple(outputs)))
 
     def _for_client(self, text: str) -> str:
         """A reason as a client may read it: workers by name, no addresses (client_text.py)."""

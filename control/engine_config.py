@@ -1,5 +1,5 @@
-"""What the control plane serves with: its flags as the engine reads them, and the limits the first
-worker fixes for all."""
+"""The control plane's flags as the engine reads them. What it serves with, once a worker has
+described itself, is decided from these in one place: control/serving_plan.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ class EngineConfig:
     workers_file: str = ""            # re-read on SIGHUP and when it changes ("" = none)
     max_num_seqs: int = 32            # per lane
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity
+    max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity; -1 = a lane's KV
     data_parallel_size: int = 1       # lanes per worker
     enable_prefix_caching: bool = False
     max_consecutive_prefills: int = 2
@@ -29,14 +29,3 @@ class EngineConfig:
     migration_limit: int = 3          # times a request may move off a lost worker
     migration_timeout_s: float = 120.0  # how long a migrating request may wait for a ready worker
     tls: Tls = PLAINTEXT              # served to clients and presented to workers (ttserve/tls.py)
-
-
-@dataclass(slots=True)
-class ServingLimits:
-    """What every group must honour, fixed by the first worker that comes up."""
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int   # one for all: prefix hashes, placement and ModelInfo assume it
-    supports_images: bool = False
-    chunk_limit: int = 0  # longest prefill chunk with chunked prefill; 0: whole prompts

@@ -325,6 +325,6 @@ class Request:
         return new
 
     def mark_sent(self) -> None:
-        """Its output so far has been sent to the client (wire.output_to_pb built the delta)."""
+        """Its output so far has been sent to the client (session.output_of copied the delta)."""
         self.num_sent_tokens = len(self.output_token_ids)
         self.unsent_logprobs = []

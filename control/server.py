@@ -14,6 +14,7 @@ from ttserve.tls import PLAINTEXT, Tls
 from ttserve.v1 import engine_pb2, engine_pb2_grpc
 
 from .engine import Engine
+from .wire import mm_inputs_problem, request_from_pb, session_message_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 message = get.result()
                 if message is None:
                     break  # the control plane is shutting down
-                yield message
+                yield session_message_to_pb(message)
         finally:
             reader.cancel()
             self.engine.close_session(client_id)
@@ -47,7 +48,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def _read(self, requests: AsyncIterator[engine_pb2.ClientMessage], client_id: int) -> None:
         async for message in requests:
             if message.HasField("add"):
-                self.engine.add(message.add, client_id)
+                request, unsupported = request_from_pb(message.add, client_id)
+                self.engine.add(request, unsupported,
+                                mm_inputs_problem(message.add) if message.add.mm_inputs else None)
             elif message.HasField("abort"):
                 self.engine.abort(list(message.abort.request_ids), client_id)
 

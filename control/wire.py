@@ -9,11 +9,16 @@ from ttserve.v1 import device_pb2, engine_pb2
 from .grammar import GrammarSpec
 from .images import ImageInput
 from .request import FinishReason, Request, SamplingParams, TokenLogprobs
+from .session import Admission, RequestOutput, SessionMessage, Verdict
 from .step import StepKind, StepPlan
 
 _FINISH = {None: engine_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
            FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT, FinishReason.ERROR: engine_pb2.FINISH_REASON_ERROR}
+_VERDICT = {Verdict.ACCEPTED: engine_pb2.Admission.VERDICT_ACCEPTED,
+            Verdict.INVALID_ARGUMENT: engine_pb2.Admission.VERDICT_INVALID_ARGUMENT,
+            Verdict.UNAVAILABLE: engine_pb2.Admission.VERDICT_UNAVAILABLE,
+            Verdict.OVERLOADED: engine_pb2.Admission.VERDICT_OVERLOADED}
 _STEP_KIND = {StepKind.EMPTY: device_pb2.STEP_KIND_EMPTY, StepKind.PREFILL: device_pb2.STEP_KIND_PREFILL,
               StepKind.DECODE: device_pb2.STEP_KIND_DECODE}
 
@@ -67,27 +72,28 @@ def _grammar_spec(add: engine_pb2.AddRequest) -> GrammarSpec | None:
     return GrammarSpec(kind, text, so.whitespace_flexible, so.disable_additional_properties)
 
 
-def output_to_pb(request: Request) -> engine_pb2.RequestOutput:
-    """The request's delta since its last output (pure: the sender marks it sent)."""
-    new = request.output_token_ids[request.num_sent_tokens:]
-    out = engine_pb2.RequestOutput(request_id=request.request_id, new_token_ids=new,
-                                   finish_reason=_FINISH[request.finish_reason], error=request.error,
-                                   invalid_request=request.invalid,
-                                   worker=request.worker, lane=request.lane)
-    if request.num_sent_tokens == 0:
-        out.num_cached_tokens = request.num_cached_tokens
-    if request.stop_token_id is not None:
-        out.stop_token_id = request.stop_token_id
-    if request.sampling.logprobs is not None:
-        assert len(request.unsent_logprobs) == len(new), "one TokenLogprobs per new token"
-        out.logprobs.extend(engine_pb2.TokenLogprobs(token_ids=lp.token_ids, logprobs=lp.logprobs,
-                                                     rank=lp.rank) for lp in request.unsent_logprobs)
-    return out
+def output_to_pb(out: RequestOutput) -> engine_pb2.RequestOutput:
+    """A request's delta as its session sends it."""
+    pb = engine_pb2.RequestOutput(request_id=out.request_id, new_token_ids=out.new_token_ids,
+                                  finish_reason=_FINISH[out.finish_reason], error=out.error,
+                                  invalid_request=out.invalid, worker=out.worker, lane=out.lane)
+    if out.num_cached_tokens:
+        pb.num_cached_tokens = out.num_cached_tokens
+    if out.stop_token_id is not None:
+        pb.stop_token_id = out.stop_token_id
+    if out.logprobs:
+        pb.logprobs.extend(engine_pb2.TokenLogprobs(token_ids=lp.token_ids, logprobs=lp.logprobs,
+                                                    rank=lp.rank) for lp in out.logprobs)
+    return pb
 
 
-def admission_pb(request_id: str, verdict: int, message: str = "") -> engine_pb2.ServerMessage:
-    return engine_pb2.ServerMessage(admission=engine_pb2.Admission(
-        request_id=request_id, verdict=verdict, message=message))
+def session_message_to_pb(message: SessionMessage) -> engine_pb2.ServerMessage:
+    """What the engine queued for a session (an Admission or a step's outputs), as it is sent."""
+    if isinstance(message, Admission):
+        return engine_pb2.ServerMessage(admission=engine_pb2.Admission(
+            request_id=message.request_id, verdict=_VERDICT[message.verdict], message=message.message))
+    return engine_pb2.ServerMessage(outputs=engine_pb2.StepOutputs(
+        step_id=message.step_id, timestamp=message.timestamp, outputs=[output_to_pb(o) for o in message.outputs]))
 
 
 # ---- device.proto ------------------------------------------------------------------------
@@ -114,6 +120,11 @@ class WorkerDescription:
     prefill_buckets: list[int] = field(default_factory=list)
     max_prefill_batch_size: int = 0
     draining: bool = False
+    protocol_version: int = 0
+
+
+def describe_request_pb() -> device_pb2.DescribeRequest:
+    return device_pb2.DescribeRequest()
 
 
 def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> WorkerDescription:
@@ -128,7 +139,43 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         supports_images=d.supports_images, dtype=d.dtype,
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
         prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size,
-        draining=d.draining)
+        draining=d.draining, protocol_version=d.protocol_version)
+
+
+def warmup_request_to_pb(num_lanes: int, max_num_seqs: int, max_model_len: int,
+                         max_num_batched_tokens: int) -> device_pb2.WarmupRequest:
+    return device_pb2.WarmupRequest(num_lanes=num_lanes, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                    max_num_batched_tokens=max_num_batched_tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class WarmupProgress:
+    phase: str
+    completed: int
+    total: int
+    detail: str
+    description: WorkerDescription | None = None   # set on the last (done): the warm worker
+
+    @property
+    def done(self) -> bool:
+        return self.description is not None
+
+    @property
+    def fraction(self) -> float:
+        """0-1, as the worker reports it."""
+        if self.done:
+            return 1.0
+        return self.completed / self.total if self.total else 0.0
+
+
+def warmup_progress_from_pb(p: device_pb2.WarmupProgress, address: str) -> WarmupProgress:
+    return WarmupProgress(p.phase, p.completed, p.total, p.detail,
+                          description_from_pb(p.description, address) if p.done else None)
+
+
+def empty_step_batch_to_pb(step_id: int) -> device_pb2.StepBatch:
+    """An empty flush: the worker returns any result it holds (a pipelined decode's)."""
+    return device_pb2.StepBatch(step_id=step_id)
 
 
 def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_num_seqs: int,
@@ -197,6 +244,8 @@ class StepOutcome:
     sampled_on_device: bool
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
     refused: dict[str, str] = field(default_factory=dict)  # request id -> why the worker dropped it
+    error: str = ""         # the step failed inside the model (the worker dropped its device state)
+    draining: bool = False  # not a result: the worker's notice that it shuts down
 
 
 def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
@@ -206,4 +255,5 @@ def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
     return StepOutcome(step_id=result.step_id, sampled={s.request_id: s.token_id for s in result.tokens},
                        total_s=t.total_s, traced=t.traced,
                        sampled_on_device=t.sampled_on_device, logprobs=logprobs,
-                       refused={r.request_id: r.message for r in result.refused})
+                       refused={r.request_id: r.message for r in result.refused}, error=result.error,
+                       draining=result.draining)

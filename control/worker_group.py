@@ -16,7 +16,8 @@ from .metrics import ControlMetrics
 from .phase import PhasePolicy
 from .placement import Candidate
 from .request import FinishReason, Request
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
+from .serving_plan import ServingPlan, WarmupPlan, plan_warmup
 from .step import StepKind
 from .wire import StepOutcome, WorkerDescription
 from .worker_link import StepFailed, WorkerError, WorkerLink
@@ -28,11 +29,6 @@ log = logging.getLogger(__name__)
 # request fails twice (in its batch, then alone) and its batch-mates then pass; a third failure in
 # a row says the device itself fails.
 STEP_FAILURES_LOST = 3
-
-
-class IncompatibleWorker(RuntimeError):
-    """A worker this configuration cannot serve (topology, model, limits): it is refused alone
-    while others serve; the control plane exits with this message when it is the only one."""
 
 
 class WorkerLost(WorkerError):
@@ -62,6 +58,14 @@ class LaneTotals:
             self.prefix_hit_tokens += lane.pool.num_hits * lane.pool.block_size
             self.preemptions += lane.num_preemptions
         return self
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """A worker warm and holding its step stream: how it describes itself now (its KV capacity
+    known), and what it was warmed up for (serving_plan.plan_warmup)."""
+    description: WorkerDescription
+    asked: WarmupPlan
 
 
 @dataclass(slots=True)
@@ -110,9 +114,9 @@ class LaneLoad:
 
 
 class WorkerGroup:
-    """One worker's life, driven by the engine: `connect` (describe, check the topology, warm
-    up) returns the warm description; after the engine has checked it against the serving
-    limits, `start` builds the lane group; `steps` yields each step's result; `release` tears the
+    """One worker's life, driven by the engine: `connect` (describe, plan the warmup, warm up)
+    returns the warm worker; once the engine has made its serving plan (serving_plan.py),
+    `start` builds the lane group; `steps` yields each step's result; `release` tears the
     group down and returns the requests it held. Nothing here calls up into the engine."""
 
     def __init__(self, index: int, address: str, config: EngineConfig,
@@ -135,10 +139,8 @@ class WorkerGroup:
         self._retired = LaneTotals()  # counts of lane groups torn down by reconnects
         self._wake = asyncio.Event()
         self._link: WorkerLink | None = None
-        self._warm: WorkerDescription | None = None
-        self._max_model_len = 0
+        self.plan: ServingPlan | None = None  # what it serves with (serving_plan.py), set by start
         self._failures_in_a_row = 0   # steps failed since the last that returned a result
-        self._batched = self._num_lanes = 0  # as warmed up
 
     @property
     def ready(self) -> bool:
@@ -204,10 +206,10 @@ class WorkerGroup:
                 for lane in lanes]
 
     # ---- the worker's life ----------------------------------------------------------------------
-    async def connect(self, num_workers: int = 1) -> WorkerDescription:
-        """Describe (retried until the worker answers and is not shutting down), check the
-        topology against `num_workers` in the set and warm up; returns the warm worker's
-        description. Raises IncompatibleWorker or WorkerError."""
+    async def connect(self, num_workers: int = 1) -> Warm:
+        """Describe (retried until the worker answers and is not shutting down), plan its warmup
+        with `num_workers` in the set (serving_plan.plan_warmup) and warm it up. Raises
+        serving_plan.IncompatibleWorker or WorkerError."""
         self._link = link = WorkerLink(self.address, self.config.tls)
         while True:
             try:
@@ -223,24 +225,16 @@ class WorkerGroup:
             await asyncio.sleep(self.config.reconnect_interval_s)
         self.draining = False
         self._failures_in_a_row = 0
-        num_lanes = self._lanes_for(described, num_workers)
-        max_model_len = max(self.config.max_model_len, 0) or described.max_position_embeddings
-        if max_model_len > described.max_position_embeddings:
-            raise IncompatibleWorker(
-                f"--max-model-len {max_model_len} exceeds the model's limit of "
-                f"{described.max_position_embeddings} tokens (max_position_embeddings of "
-                f"{described.model_path})")
-        batched = self.config.max_num_batched_tokens
-        if not described.supports_chunked_prefill and batched < max_model_len:
-            log.warning("the model cannot chunk prefills: raising max_num_batched_tokens from "
-                        "%d to max_model_len %d", batched, max_model_len)
-            batched = max_model_len
+        asked = plan_warmup(self.config, described, num_workers)
+        for note in asked.notes:
+            log.log(note.level, "%s", note.text)
         self.not_ready_reason = f"worker at {link.address} is warming up"
-        async for progress in link.warmup(num_lanes, self.config.max_num_seqs, max_model_len, batched,
-                                          self.config.warmup_timeout_s):
+        warm = None
+        async for progress in link.warmup(asked.num_lanes, asked.max_num_seqs, asked.max_model_len,
+                                          asked.max_num_batched_tokens, self.config.warmup_timeout_s):
             self.warmup_progress = progress.fraction
-            self._warm = progress.description
-        self._batched, self._num_lanes = batched, num_lanes
+            warm = progress.description
+        assert warm is not None  # the link raises unless the worker reported done
         # The step stream before the worker counts as back: a worker may still hold the stream
         # of a control plane that vanished (until keepalive ends it, worker/server.py).
         self.not_ready_reason = f"worker at {link.address} is warm; waiting for it to take the step stream"
@@ -249,27 +243,23 @@ class WorkerGroup:
             log.warning("worker %s at %s is back %.0f s after it stalled", self.name, self.address,
                         time.monotonic() - self.stalled_since)
             self.stalled_since = None
-        return self._warm
+        return Warm(warm, asked)
 
-    def start(self, max_model_len: int) -> None:
-        """Serve the warm worker with the engine's limits: the lane group is built."""
-        warm = self._warm
-        assert warm is not None
-        self.description = warm
-        self.async_decode = warm.async_decode and self.config.async_scheduling is not False
-        if self.config.async_scheduling and not warm.async_decode:
-            log.warning("--async-scheduling: the worker at %s cannot pipeline decode steps (%s does "
-                        "not support async decode, or decode samples on the host); turned off",
-                        warm.address, warm.architecture)
-        self._max_model_len = max_model_len
-        self.lane_group = self._build_group(warm, self._num_lanes, max_model_len, self._batched)
+    def start(self, warm: WorkerDescription, plan: ServingPlan) -> None:
+        """Serve the warm worker with its plan (serving_plan.plan_serving): its notes are logged
+        and the lane group is built."""
+        for note in plan.notes:
+            log.log(note.level, "%s", note.text)
+        self.description, self.plan = warm, plan
+        self.async_decode = plan.async_decode
+        self.lane_group = self._build_group(warm, plan)
 
     def release(self) -> list[Request]:
         """Tear the lane group down (the link too); returns the requests it held."""
         held = self.lane_group.release() if self.lane_group is not None else []
         if self.lane_group is not None:
             self._retired.add(self.lane_group)
-        self.lane_group = self._warm = None
+        self.lane_group = None
         self.connected = False
         self.warmup_progress = 0.0
         return held  # a stall outlives the link: it ends when the worker warms up again (connect)
@@ -279,51 +269,20 @@ class WorkerGroup:
             link, self._link = self._link, None
             await link.close()
 
-    def _lanes_for(self, d: WorkerDescription, num_workers: int) -> int:
-        """The topology rules, checked before the worker touches its device."""
-        dp = self.config.data_parallel_size
-        if d.single_execute_lanes:
-            # mRoPE models run in lanes too (the TT plugin cannot): a request's rope delta is kept
-            # by its row, which is stable while it runs, whatever lane the row is in.
-            return dp
-        if dp != 1:
-            raise IncompatibleWorker(
-                f"--data-parallel-size {dp}: {d.architecture} on the worker at {d.address} runs lanes "
-                "as independent groups; start one worker per lane (each on its own submesh with "
-                "TT_VISIBLE_DEVICES) and pass each with --worker")
-        if d.mixture_of_experts and num_workers > 1:
-            raise IncompatibleWorker(f"{d.architecture} is a mixture-of-experts model: data parallelism "
-                                     f"over independent groups ({num_workers} workers) is refused")
-        return 1
-
-    def _build_group(self, warm: WorkerDescription, num_lanes: int, max_model_len: int,
-                     batched: int) -> LaneGroup:
-        c = self.config
-        caching = c.enable_prefix_caching
-        if caching and not warm.supports_prefix_caching:
-            log.warning("--enable-prefix-caching: %s on the worker at %s does not support prefix "
-                        "caching; serving without it", warm.architecture, warm.address)
-            caching = False
-        if warm.supports_chunked_prefill and batched < warm.block_size:
-            log.warning("max_num_batched_tokens raised from %d to the block size %d: a prefill "
-                        "chunk holds at least one block", batched, warm.block_size)
-            batched = warm.block_size
-        config = SchedulerConfig(
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
-            chunked_prefill=warm.supports_chunked_prefill, max_prefill_batch=warm.max_prefill_batch_size,
-            max_prefill_len=max(warm.prefill_buckets, default=0))
+    def _build_group(self, warm: WorkerDescription, plan: ServingPlan) -> LaneGroup:
+        config = plan.scheduler
         # The group's policy chooses every step's mode (LaneGroup.schedule), one per step for all lanes.
-        lanes = [Scheduler(config, BlockPool(warm.num_blocks_per_lane, warm.block_size, caching), lane=i)
-                 for i in range(num_lanes)]
+        lanes = [Scheduler(config, BlockPool(warm.num_blocks_per_lane, warm.block_size, plan.prefix_caching), lane=i)
+                 for i in range(plan.num_lanes)]
         log.info("lane group %s: worker %s [%s, %s] runs %d lane(s) x %d seqs %s; %d blocks x %d "
                  "tokens per lane; max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, "
                  "prefix caching %s, prefill lengths %s, async decode %s", self.name, warm.address, warm.backend,
-                 warm.device, num_lanes, c.max_num_seqs,
+                 warm.device, plan.num_lanes, config.max_num_seqs,
                  "in one process" if warm.single_execute_lanes else "(independent group)",
-                 warm.num_blocks_per_lane, warm.block_size, max_model_len, batched,
-                 "on" if config.chunked_prefill else "off", "on" if caching else "off",
-                 warm.prefill_buckets or "any", "on" if self.async_decode else "off")
-        return LaneGroup(lanes, PhasePolicy(c.max_consecutive_prefills))
+                 warm.num_blocks_per_lane, warm.block_size, config.max_model_len, config.max_num_batched_tokens,
+                 "on" if config.chunked_prefill else "off", "on" if plan.prefix_caching else "off",
+                 warm.prefill_buckets or "any", "on" if plan.async_decode else "off")
+        return LaneGroup(lanes, PhasePolicy(self.config.max_consecutive_prefills))
 
     async def steps(self) -> AsyncIterator[Stepped]:
         """Plan, send, apply, and yield each step's result. With async decode, a stable decode
@@ -410,10 +369,10 @@ class WorkerGroup:
             except StepFailed:
                 pass
         self.metrics.step_failures.labels(self.name).inc()
-        assert self.lane_group is not None and self.description is not None
+        assert self.lane_group is not None and self.description is not None and self.plan is not None
         held = self.lane_group.release()
         self._retired.add(self.lane_group)
-        self.lane_group = self._build_group(self.description, self._num_lanes, self._max_model_len, self._batched)
+        self.lane_group = self._build_group(self.description, self.plan)
         return StepFailure(str(failure), failure.error, held, list(failed.values()), alone=len(failed) == 1)
 
     async def _send(self, link: WorkerLink, plan: GroupPlan | None, pipelined: bool,

@@ -5,27 +5,24 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
 from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS, check_peer_version
 from ttserve.tls import PLAINTEXT, Tls, handshake_hint, open_channel
-from ttserve.v1 import device_pb2, device_pb2_grpc
+from ttserve.v1 import device_pb2_grpc
 
 from .lanes import GroupPlan
-from .wire import StepOutcome, WorkerDescription, description_from_pb, step_batch_to_pb, step_result_from_pb
+from .wire import (StepOutcome, WarmupProgress, WorkerDescription, describe_request_pb, description_from_pb,
+                   empty_step_batch_to_pb, step_batch_to_pb, step_result_from_pb, warmup_progress_from_pb,
+                   warmup_request_to_pb)
+
+__all__ = ["StepFailed", "WarmupProgress", "WorkerError", "WorkerLink"]
 
 log = logging.getLogger(__name__)
 
 # Above the worker's wait for a dead stream's keepalive to end it (worker/server.py TAKEOVER_WAIT_S).
 STREAM_ACCEPT_TIMEOUT_S = 60.0
-
-
-@dataclass(slots=True, frozen=True)
-class WarmupProgress:
-    fraction: float                                # 0-1, as the worker reports it
-    description: WorkerDescription | None = None   # set on the last: the warm worker
 
 
 class WorkerError(RuntimeError):
@@ -52,38 +49,37 @@ class WorkerLink:
         # The step stream's messages, read by one task as they come: results (or the error that
         # ended the stream) for `receive`; the worker's drain notice, which may come while no
         # step is in flight, sets `drain_notice`.
-        self._results: asyncio.Queue[device_pb2.StepResult | WorkerError] = asyncio.Queue()
+        self._results: asyncio.Queue[StepOutcome | WorkerError] = asyncio.Queue()
         self._reader: asyncio.Future | None = None
         self.drain_notice = asyncio.Event()
 
     async def describe(self, timeout: float = 10.0) -> WorkerDescription:
         try:
-            d = await self._stub.Describe(device_pb2.DescribeRequest(), metadata=CALL_METADATA,
-                                          timeout=timeout)
+            d = await self._stub.Describe(describe_request_pb(), metadata=CALL_METADATA, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise WorkerError(f"worker at {self.address} is unreachable: {e.details()}"
                               f"{handshake_hint(e.details(), self._tls)}") from e
-        check_peer_version(d.protocol_version, f"the worker at {self.address}")
-        return description_from_pb(d, self.address)
+        described = description_from_pb(d, self.address)
+        check_peer_version(described.protocol_version, f"the worker at {self.address}")
+        return described
 
     async def warmup(self, num_lanes: int, max_num_seqs: int, max_model_len: int,
                      max_num_batched_tokens: int, timeout: float) -> AsyncIterator[WarmupProgress]:
         """Warm the worker up for this configuration, yielding its progress; the last item
         carries the warm worker's description. The whole call is bounded by `timeout`
         (--warmup-timeout)."""
-        request = device_pb2.WarmupRequest(num_lanes=num_lanes, max_num_seqs=max_num_seqs,
-                                           max_model_len=max_model_len,
-                                           max_num_batched_tokens=max_num_batched_tokens)
+        request = warmup_request_to_pb(num_lanes, max_num_seqs, max_model_len, max_num_batched_tokens)
         started = time.monotonic()
         try:
-            async for progress in self._stub.Warmup(request, metadata=CALL_METADATA, timeout=timeout):
+            async for message in self._stub.Warmup(request, metadata=CALL_METADATA, timeout=timeout):
+                progress = warmup_progress_from_pb(message, self.address)
                 log.info("worker %s warmup: %s %d/%d %s", self.address, progress.phase,
                          progress.completed, progress.total, progress.detail)
                 if progress.done:
                     log.info("worker %s warm after %.1f s", self.address, time.monotonic() - started)
-                    yield WarmupProgress(1.0, description_from_pb(progress.description, self.address))
+                    yield progress
                     return
-                yield WarmupProgress(progress.completed / progress.total if progress.total else 0.0)
+                yield progress
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise WorkerError(f"worker at {self.address} did not finish warmup within "
@@ -114,7 +110,8 @@ class WorkerLink:
 
     async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
         try:
-            while (result := await stream.read()) is not grpc.aio.EOF:
+            while (message := await stream.read()) is not grpc.aio.EOF:
+                result = step_result_from_pb(message)
                 if result.draining:
                     log.info("worker %s is shutting down: its requests move", self.address)
                     self.drain_notice.set()
@@ -136,7 +133,7 @@ class WorkerLink:
         assert self._stream is not None, "open() the step stream first"
         step_id = self._next_step_id
         self._next_step_id += 1
-        batch = (device_pb2.StepBatch(step_id=step_id) if plan is None else
+        batch = (empty_step_batch_to_pb(step_id) if plan is None else
                  step_batch_to_pb(step_id, plan.kind, plan.lanes, max_num_seqs, async_readback))
         try:
             await self._stream.write(batch)
@@ -153,7 +150,7 @@ class WorkerLink:
             raise result
         if result.error:
             raise StepFailed(f"worker at {self.address} failed step {result.step_id}: {result.error}", result.error)
-        return step_result_from_pb(result)
+        return result
 
     async def close(self) -> None:
         if self._reader is not None:

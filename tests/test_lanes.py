@@ -146,48 +146,6 @@ def test_group_invariants_under_random_traffic(specs, num_lanes, num_blocks, max
     assert all(lane.pool.num_free == lane.pool.num_blocks for lane in g.lanes)
 
 
-# ---- topology rules, checked on the worker's Describe before it touches its device ----------
-import pytest  # noqa: E402
-
-from ttserve.control.wire import WorkerDescription  # noqa: E402
-from ttserve.control.engine_config import EngineConfig  # noqa: E402
-from ttserve.control.worker_group import IncompatibleWorker, WorkerGroup  # noqa: E402
-
-
-def describe(**kw) -> WorkerDescription:
-    base = dict(address="w:1", backend="torch", device="cpu", model_path="/m", architecture="X",
-                vocab_size=10, max_position_embeddings=64, eos_token_ids=[2],
-                supports_chunked_prefill=True, supports_prefix_caching=True)
-    return WorkerDescription(**(base | kw))
-
-
-def lanes_for(d: WorkerDescription, dp: int = 1, workers: int = 1) -> int:
-    config = EngineConfig(workers=(), data_parallel_size=dp)
-    return WorkerGroup(0, "w:0", config)._lanes_for(d, workers)
-
-
-def test_single_execute_models_run_all_lanes_in_one_group():
-    assert lanes_for(describe(single_execute_lanes=True), dp=4) == 4
-
-
-def test_independent_models_need_one_worker_per_lane():
-    with pytest.raises(IncompatibleWorker, match="TT_VISIBLE_DEVICES"):
-        lanes_for(describe(), dp=4)
-    assert lanes_for(describe(), dp=1, workers=3) == 1
-
-
-def test_moe_with_independent_group_dp_is_refused():
-    with pytest.raises(IncompatibleWorker, match="mixture-of-experts"):
-        lanes_for(describe(mixture_of_experts=True), workers=2)
-    assert lanes_for(describe(mixture_of_experts=True, single_execute_lanes=True), dp=4) == 4
-
-
-def test_mrope_models_run_in_lane_mode():
-    """The plugin refuses request-specific RoPE with lane DP; ttserve keeps rope deltas by row."""
-    assert lanes_for(describe(mrope=True, single_execute_lanes=True), dp=2) == 2
-    assert lanes_for(describe(mrope=True, single_execute_lanes=True), dp=1) == 1
-
-
 # ---- async decode: two steps in flight ---------------------------------------------------------
 from collections import deque  # noqa: E402
 

@@ -14,7 +14,8 @@ from ttserve.control.request import FinishReason, Request, RequestStatus, Sampli
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.worker_set import WorkerSpec
 from ttserve.control.engine_config import EngineConfig
-from ttserve.control.worker_group import LaneTotals, WorkerGroup
+from ttserve.control.serving_plan import plan_warmup
+from ttserve.control.worker_group import LaneTotals, Warm, WorkerGroup
 from ttserve.ops_http import OpsEndpoints, start_ops_server
 
 
@@ -154,8 +155,7 @@ def test_requests_a_step_finished_before_a_fault_in_its_update_still_reach_their
         worker = engine.workers[0]
 
         async def connect(num_workers=1):
-            worker._warm, worker._num_lanes, worker._batched = warm, 1, 64
-            return warm
+            return Warm(warm, plan_warmup(engine.config, warm, num_workers))
 
         async def steps():
             engine.requests["done"] = done
@@ -169,8 +169,8 @@ def test_requests_a_step_finished_before_a_fault_in_its_update_still_reach_their
         worker.connect, worker.steps, worker.close = connect, steps, close
         task = asyncio.create_task(engine.run())
         message = await asyncio.wait_for(queue.get(), 10)
-        assert [o.request_id for o in message.outputs.outputs] == ["done"]
-        assert message.outputs.outputs[0].finish_reason and "done" not in engine.requests
+        assert [o.request_id for o in message.outputs] == ["done"]
+        assert message.outputs[0].finish_reason and "done" not in engine.requests
         task.cancel()
 
     asyncio.run(scenario())
@@ -194,8 +194,7 @@ def test_a_fault_in_one_workers_loop_takes_only_its_link_and_its_requests_move()
         for worker in engine.workers.values():
             async def connect(num_workers=1, worker=worker):
                 connects[worker.index] += 1
-                worker._warm, worker._num_lanes, worker._batched = warm, 1, 64
-                return warm
+                return Warm(warm, plan_warmup(engine.config, warm, num_workers))
 
             async def steps(worker=worker):
                 if worker.index == 0 and connects[0] == 1:
@@ -232,6 +231,8 @@ def test_a_grammar_that_compiles_while_its_request_migrates_makes_it_schedulable
     from ttserve.control.step import StepKind
     from ttserve.control.wire import WorkerDescription
     from ttserve.control.worker_group import WorkerLost
+    from ttserve.control.session import Verdict
+    from ttserve.control.wire import request_from_pb
     from ttserve.v1 import engine_pb2
 
     class GatedCompiler:
@@ -261,8 +262,7 @@ def test_a_grammar_that_compiles_while_its_request_migrates_makes_it_schedulable
             if worker.index in connected:
                 await back.wait()
             connected.add(worker.index)
-            worker._warm, worker._num_lanes, worker._batched = warm, 1, 64
-            return warm
+            return Warm(warm, plan_warmup(engine.config, warm, num_workers))
 
         async def steps():
             if not planned:
@@ -284,10 +284,10 @@ def test_a_grammar_that_compiles_while_its_request_migrates_makes_it_schedulable
             await asyncio.sleep(0.01)
         engine.grammars = compiler
         client, queue = engine.open_session()
-        engine.add(engine_pb2.AddRequest(request_id="g", prompt_token_ids=[1, 2, 3],
-                                         sampling=engine_pb2.SamplingParams(max_tokens=4),
-                                         structured_output=engine_pb2.StructuredOutput(regex="[ab]+")), client)
-        assert (await queue.get()).admission.verdict == engine_pb2.Admission.VERDICT_ACCEPTED
+        engine.add(*request_from_pb(engine_pb2.AddRequest(
+            request_id="g", prompt_token_ids=[1, 2, 3], sampling=engine_pb2.SamplingParams(max_tokens=4),
+            structured_output=engine_pb2.StructuredOutput(regex="[ab]+")), client))
+        assert (await queue.get()).verdict is Verdict.ACCEPTED
         request = engine.requests["g"]
         assert not request.ready  # compiling
         lose.set()

@@ -7,7 +7,6 @@ the 32-candidate device sampler, the decode input-update contract)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -21,14 +20,14 @@ from fakes.fake_tt_model import make_model_class
 from fakes.fake_ttnn import FabricConfig, FakeTtnn
 
 from ttserve.worker import config as worker_config
+from ttserve.worker.backends.ttnn.backend import TtnnBackend
+from ttserve.worker.backends.ttnn.mesh_device import ChipProbe
 from ttserve.worker.batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch
-from ttserve.worker.device_api import TtnnDevice
-from ttserve.worker.mesh import fabric_for, resolve_mesh
-from ttserve.worker.preflight import Serving, plan_worker
-from ttserve.worker.registry import ModelLoadError, build_registry
+from ttserve.worker.planning.mesh import fabric_for, resolve_mesh
+from ttserve.worker.planning.preflight import Serving, plan_worker
+from ttserve.worker.planning.registry import ModelLoadError, build_registry
 from ttserve.worker.runner import DeviceOptions, ModelRunner
 from ttserve.worker.server import DeviceService
-from ttserve.worker.ttnn_backend import ChipProbe, TtnnBackend
 
 TREE = Path(__file__).parent / "fakes" / "tt_metal"
 TESTS = Path(__file__).parent
@@ -83,10 +82,9 @@ def tree_runner(model_dir: Path, cls_path: str, mesh: str, *, env=None, variant=
     cls = getattr(importlib.import_module(module), name)
     from models.tt_transformers.tt.generator import TTNN
     spec = resolve_mesh(mesh, 32)
-    device = TtnnDevice(TtnnBackend(spec, tt, ttnn=TTNN), variant, env if env is not None else os.environ)
-    runner = ModelRunner(model_dir, cls, "LlamaForCausalLM", torch.device("cpu"), torch.bfloat16,
-                         block_size=block_size, kv_cache_bytes=0, options=DeviceOptions(tt, backend_traces=True),
-                         device_api=device)
+    backend = TtnnBackend(spec, tt, variant=variant, env=env if env is not None else os.environ, ttnn=TTNN)
+    runner = ModelRunner(model_dir, cls, "LlamaForCausalLM", backend, torch.bfloat16,
+                         block_size=block_size, kv_cache_bytes=0, options=DeviceOptions(tt, backend_traces=True))
     return runner, TTNN
 
 
@@ -163,8 +161,7 @@ def test_the_galaxy_demo_reads_llama_dir(tt_metal, no_hf_model, tmp_path):
 def test_the_worker_reports_lanes_in_process_as_the_plugin_folds_them(tt_metal, tmp_path, cls_path, env, variant,
                                                                       folded):
     runner, _ = tree_runner(checkpoint(tmp_path), cls_path, "TG", env=env, variant=variant)
-    described = DeviceService(runner, "ttnn", "mesh TG")._describe()
-    assert described.capabilities.single_execute_lanes is folded
+    assert DeviceService(runner, "ttnn", "mesh TG").description().lanes_in_process is folded
 
 
 def test_a_galaxy_lane_count_off_the_mesh_columns_is_refused_before_weights_load(tt_metal, no_hf_model, tmp_path):
@@ -212,9 +209,8 @@ def fake_runner(model_dir: Path, monkeypatch, block_size=32, decode_contract=0, 
     fake_tt_generator.install(monkeypatch)
     ttnn = FakeTtnn()
     runner = ModelRunner(model_dir, make_model_class(ttnn, decode_contract=decode_contract), "LlamaForCausalLM",
-                         torch.device("cpu"), torch.bfloat16, block_size=block_size, kv_cache_bytes=0,
-                         options=DeviceOptions(tt, backend_traces=True, kv_tokens_per_lane=4096),
-                         device_api=TtnnDevice(TtnnBackend(resolve_mesh("N300", 2), tt, ttnn=ttnn)))
+                         TtnnBackend(resolve_mesh("N300", 2), tt, ttnn=ttnn), torch.bfloat16, block_size=block_size,
+                         kv_cache_bytes=0, options=DeviceOptions(tt, backend_traces=True, kv_tokens_per_lane=4096))
     warm(runner, max_num_seqs=4, max_model_len=256)
     return runner, ttnn
 
@@ -426,9 +422,9 @@ def test_a_hybrid_attention_class_allocates_per_layer_in_the_checkpoints_dtype(t
     model_dir = checkpoint(tmp_path)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
-    runner = ModelRunner(model_dir, Hybrid, "LlamaForCausalLM", torch.device("cpu"), torch.bfloat16, block_size=32,
-                         kv_cache_bytes=0, options=DeviceOptions({}, backend_traces=True, kv_tokens_per_lane=4096),
-                         device_api=TtnnDevice(TtnnBackend(resolve_mesh("N300", 2), {}, ttnn=ttnn)))
+    runner = ModelRunner(model_dir, Hybrid, "LlamaForCausalLM", TtnnBackend(resolve_mesh("N300", 2), {}, ttnn=ttnn),
+                         torch.bfloat16, block_size=32, kv_cache_bytes=0,
+                         options=DeviceOptions({}, backend_traces=True, kv_tokens_per_lane=4096))
     warm(runner, max_num_seqs=4, max_model_len=256)
     [call] = ttnn.recorder.only("model.allocate_kv_cache_per_layer")
     assert call["specs"] == [((32, 1, 32, 16), torch.float16, 0), ((32, 1, 32, 16), torch.float16, 1)]
@@ -436,7 +432,7 @@ def test_a_hybrid_attention_class_allocates_per_layer_in_the_checkpoints_dtype(t
 
 
 def test_deepseek_gets_the_mesh_device_count_as_tt_data_parallel():
-    from ttserve.worker.tt_models import ModelFamily, data_parallel_problem, tt_data_parallel
+    from ttserve.worker.backends.ttnn.tt_models import ModelFamily, data_parallel_problem, tt_data_parallel
     family = ModelFamily.of("models.demos.deepseek_v3.tt.generator_vllm:DeepseekV3ForCausalLM")
     tg = resolve_mesh("TG", 32)
     assert tt_data_parallel(family, 1, tg) == 32 and family.checkpoint_variable == "DEEPSEEK_V3_HF_MODEL"
@@ -447,7 +443,7 @@ def test_deepseek_gets_the_mesh_device_count_as_tt_data_parallel():
 def test_qwen3_vl_is_refused_a_second_lane():
     # Its generator holds one model and ignores empty_slots: a second lane's requests would
     # prefill into the first lane's KV cache.
-    from ttserve.worker.tt_models import ModelFamily, data_parallel_problem
+    from ttserve.worker.backends.ttnn.tt_models import ModelFamily, data_parallel_problem
     family = ModelFamily.of("models.demos.qwen3_vl.tt.generator_vllm:Qwen3VLForConditionalGeneration")
     t3k = resolve_mesh("T3K", 8)
     assert data_parallel_problem(family, 1, 32, t3k) is None
@@ -460,7 +456,7 @@ def test_qwen3_vl_is_refused_a_second_lane():
 
 def test_max_model_len_minus_1_fits_a_lane_and_below_is_refused(tmp_path):
     from ttserve.control import config as control_config
-    from ttserve.control.engine import Engine
+    from ttserve.control.serving_plan import plan_serving, plan_warmup
     from ttserve.control.wire import WorkerDescription
 
     parser = argparse.ArgumentParser()
@@ -469,12 +465,10 @@ def test_max_model_len_minus_1_fits_a_lane_and_below_is_refused(tmp_path):
         control_config.engine_config(parser.parse_args(["--max-model-len", "-2"]))
     described = WorkerDescription("w", "ttnn", "mesh", str(tmp_path), "LlamaForCausalLM", 64, 131072, [2],
                                   True, True, block_size=64)
-
-    async def limits() -> int:
-        engine = Engine(control_config.engine_config(parser.parse_args(["--max-model-len", "-1"])))
-        return engine._check_limits(described, 34816).max_model_len
-
-    assert asyncio.run(limits()) == 34816
+    config = control_config.engine_config(parser.parse_args(["--max-model-len", "-1"]))
+    warm = WorkerDescription("w", "ttnn", "mesh", str(tmp_path), "LlamaForCausalLM", 64, 131072, [2],
+                             True, True, num_blocks_per_lane=34816 // 64, block_size=64)
+    assert plan_serving(config, warm, plan_warmup(config, described, 1), None).max_model_len == 34816
 
 
 def test_a_generator_emitting_several_tokens_per_step_is_refused(tmp_path, monkeypatch):
@@ -484,9 +478,9 @@ def test_a_generator_emitting_several_tokens_per_step_is_refused(tmp_path, monke
     class Speculative(make_model_class(ttnn)):
         model_capabilities = {"supports_prefix_caching": True, "output_tokens_per_step": 2}
 
-    runner = ModelRunner(checkpoint(tmp_path), Speculative, "LlamaForCausalLM", torch.device("cpu"), torch.bfloat16,
-                         block_size=32, kv_cache_bytes=0, options=DeviceOptions({}, backend_traces=True),
-                         device_api=TtnnDevice(TtnnBackend(resolve_mesh("N300", 2), {}, ttnn=ttnn)))
+    runner = ModelRunner(checkpoint(tmp_path), Speculative, "LlamaForCausalLM",
+                         TtnnBackend(resolve_mesh("N300", 2), {}, ttnn=ttnn), torch.bfloat16, block_size=32,
+                         kv_cache_bytes=0, options=DeviceOptions({}, backend_traces=True))
     with pytest.raises(ValueError, match="output_tokens_per_step = 2; ttserve's decode steps take one token"):
         warm(runner)
 

@@ -1,11 +1,13 @@
 """`ttserve check [flags of ttserve up]`: the preflight an operator runs before a long warmup.
 
 It splits the flags as `ttserve up` does, validates each service's share as that service would
-at start-up, and prints the worker's plan (worker/preflight.py: backend, mesh and fabric, model
-class, lanes and `tt_data_parallel`, KV budget, the environment the model reads, the `tt`
-options and what they switch on) with every problem found. Nothing opens a device or reads a
-weight; chips are only counted (a child process, as the worker's start-up does). Exit status 1
-when anything would stop start-up, 0 otherwise; missing chips on this host are a warning.
+at start-up, and prints the worker's plan (worker/planning/preflight.py: backend, mesh and fabric,
+model class, lanes and `tt_data_parallel`, KV budget, the environment the model reads, the `tt`
+options and what they switch on) with every problem found, the control plane's judgement of that
+worker among them (control/serving_plan.py: what it would ask the worker to warm up for). Nothing
+opens a device or reads a weight; chips are only counted (a child process, as the worker's
+start-up does). Exit status 1 when anything would stop start-up, 0 otherwise; missing chips on
+this host are a warning.
 """
 from __future__ import annotations
 
@@ -14,14 +16,19 @@ import importlib
 import logging
 import sys
 from collections import Counter
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from ttserve.control.engine_config import EngineConfig
+    from ttserve.control.wire import WorkerDescription
+    from ttserve.worker.planning.preflight import WorkerPlan
 
 log = logging.getLogger("ttserve.check")
 
 
 def check(argv: list[str], out: TextIO = sys.stdout) -> int:
     from ttserve.up import split_flags
-    from ttserve.worker.preflight import Serving, plan_worker
+    from ttserve.worker.planning.preflight import Serving, plan_worker
 
     up_args, shares = split_flags(argv)
     worker = _parse("worker", shares["worker"])
@@ -30,8 +37,9 @@ def check(argv: list[str], out: TextIO = sys.stdout) -> int:
     problems: list[tuple[bool, str]] = []
 
     from ttserve.control.config import ConfigError, engine_config
+    config = None
     try:
-        engine_config(control)
+        config = engine_config(control)
     except ConfigError as e:
         problems.append((True, f"control plane: {e}"))
     problems += _security_problems(worker, gateway)
@@ -44,9 +52,10 @@ def check(argv: list[str], out: TextIO = sys.stdout) -> int:
     plan = plan_worker(worker, serving=serving, need_hardware=False)
     problems += [(p.fatal, f"worker: {p.text}") for p in plan.problems]
     if plan.model_path is not None:
-        problems += [(True, f"gateway: {p}") for p in _gateway_problems(gateway, str(plan.model_path),
-                                                                     max(control.max_model_len, 0) or int(
-                                                                         plan.hf_config.get("max_position_embeddings", 2048)))]
+        described = _description(plan, config.workers[0].address if config and config.workers else "")
+        max_model_len, judged = _serving_problems(config, described)
+        problems += judged
+        problems += [(True, f"gateway: {p}") for p in _gateway_problems(gateway, str(plan.model_path), max_model_len)]
 
     print("ttserve check: the plan (no device opened, no weights read)", file=out)
     for line in plan.lines:
@@ -60,6 +69,45 @@ def check(argv: list[str], out: TextIO = sys.stdout) -> int:
     verified = "" if plan.hardware_verified or plan.backend != "ttnn" else " (plan not verified against hardware)"
     print(f"ttserve check: nothing found that would stop start-up{verified}", file=out)
     return 0
+
+
+def _description(plan: WorkerPlan, address: str) -> WorkerDescription:
+    """The worker as it would describe itself before warmup (worker/server.py's Describe), made
+    from its plan: what the control plane's serving plan reads."""
+    from ttserve.control.wire import WorkerDescription
+
+    config = plan.hf_config
+    known = plan.model_cls is not None
+    caps = dict(getattr(plan.model_cls, "model_capabilities", None) or {}) if known else {}
+    architectures = config.get("architectures") or [""]
+    return WorkerDescription(
+        address=address or "(the worker)", backend=plan.backend, device="", model_path=str(plan.model_path),
+        architecture=plan.architecture or architectures[0], vocab_size=int(config.get("vocab_size") or 0),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)), eos_token_ids=[],
+        # A class not importable here is not judged on what it declares (as the worker's plan).
+        supports_chunked_prefill=caps.get("supports_chunked_prefill", not known),
+        supports_prefix_caching=caps.get("supports_prefix_caching", not known),
+        single_execute_lanes=plan.lanes_in_process,
+        # worker/runner.py ModelRunner.is_mixture_of_experts, on the same config
+        mixture_of_experts=any(int(config.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts",
+                                                                    "n_routed_experts")))
+
+
+def _serving_problems(config: EngineConfig | None,
+                      described: WorkerDescription) -> tuple[int, list[tuple[bool, str]]]:
+    """What the control plane would ask this worker to warm up for (serving_plan.plan_warmup):
+    the max_model_len the gateway is given, and the control plane's refusal or warnings. Where
+    the control plane refuses its flags or the worker, the gateway is checked against the
+    model's own limit."""
+    from ttserve.control.serving_plan import IncompatibleWorker, plan_warmup
+
+    if config is None:
+        return described.max_position_embeddings, []
+    try:
+        asked = plan_warmup(config, described, len(config.workers))
+    except IncompatibleWorker as e:
+        return described.max_position_embeddings, [(True, f"control plane: {e}")]
+    return asked.max_model_len, [(False, f"control plane: {note.text}") for note in asked.notes]
 
 
 def _parse(service: str, tokens: list[str]) -> argparse.Namespace:
