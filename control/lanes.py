@@ -46,8 +46,8 @@ class GroupPlan:
 
     @property
     def samples_on_host(self) -> bool:
-        """Some decode row samples on the host (Request.samples_on_host)."""
-        return any(w.samples_on_host for lane in self.lanes for w in lane.decode)
+        """Some decode row samples on the host (Request.planned_on_host)."""
+        return any(w.request.planned_on_host() for lane in self.lanes for w in lane.decode)
 
 
 class LaneGroup:

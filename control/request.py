@@ -231,7 +231,6 @@ class Request:
 
     def computed(self, num_computed_tokens: int) -> None:
         """A step's chunk or decode token landed: KV holds its first `num_computed_tokens` tokens."""
-        assert self.status is RequestStatus.RUNNING
         self.num_computed_tokens = num_computed_tokens
 
     def sampled(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
@@ -302,7 +301,15 @@ class Request:
         """The next token planned for it is sampled on the host, so its batch cannot be
         pipelined: its options or grammar need the host sampler, or min_tokens still masks its
         EOS (counting the tokens in flight). The one statement of this rule."""
-        return self.needs_host_sampler or self.sampling.min_tokens > len(self.output_token_ids) + self.num_in_flight
+        return self._on_host(len(self.output_token_ids) + self.num_in_flight)
+
+    def planned_on_host(self) -> bool:
+        """The token of its latest planned step is sampled on the host (samples_on_host, asked
+        once that step is planned)."""
+        return self._on_host(len(self.output_token_ids) + self.num_in_flight - 1)
+
+    def _on_host(self, output_index: int) -> bool:
+        return self.needs_host_sampler or self.sampling.min_tokens > output_index
 
     # ---- events ----------------------------------------------------------------------------
     def record_received(self, now: float) -> None:

@@ -386,13 +386,12 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or request.is_prefilling:
                 continue
             needed = self._decode_blocks(request)
-            if needed is None or not self._make_room(request, needed):
+            if needed is None or (needed and not self._make_room(request, needed)):
                 continue
             # With a token in flight the worker feeds the one it sampled (still on the device).
             in_flight = request.num_in_flight
             work = DecodeWork(request, None if in_flight else request.output_token_ids[-1],
-                              request.num_tokens - 1 + in_flight, self.pool.grow(request, needed),
-                              samples_on_host=request.samples_on_host())
+                              request.num_tokens - 1 + in_flight, self.pool.grow(request, needed) if needed else [])
             request.planned()
             plan.decode.append(work)
         # A victim may have been planned before it was preempted: drop it from this step.
@@ -400,11 +399,14 @@ class Scheduler:
 
     def _decode_blocks(self, request: Request) -> int | None:
         """New blocks the request's next decode needs, or None when the steps in flight
-        certainly end it (it gets no row)."""
-        if request.ends_in_flight(self.config.max_model_len):
+        certainly end it (it gets no row). With none in flight check_stop has already ended a
+        request at those limits: the check is skipped (this runs for every row of every step)."""
+        in_flight = request.num_in_flight
+        if in_flight and request.ends_in_flight(self.config.max_model_len):
             return None
-        position = request.num_tokens - 1 + request.num_in_flight
-        return max(self.pool.blocks_for(position + 1) - len(request.block_ids), 0)
+        # Its next position is num_tokens - 1 + in_flight: blocks for one more token than that.
+        needed = self.pool.blocks_for(request.num_tokens + in_flight) - len(request.block_ids)
+        return needed if needed > 0 else 0
 
     def _preempt(self, request: Request) -> None:
         """Back to the head of waiting with nothing on the device; it recomputes on resume

@@ -32,7 +32,6 @@ class DecodeWork:
     position: int               # sampled for this request in the step before (async decode)
     new_block_ids: list[int]
     bitmask: bytes = b""        # the request's grammar mask for the sampled token; b"" = none
-    samples_on_host: bool = False  # Request.samples_on_host when planned: no pipelining
 
 
 @dataclass(slots=True)
