@@ -29,7 +29,7 @@ class RequestOutput:
     (Request.mark_sent, later steps) while this waits in the session's queue. Not frozen: one is
     built per request per step, and a frozen dataclass's __init__ costs several times more."""
     request_id: str
-    new_token_ids: tuple[int, ...]
+    new_token_ids: list[int]        # a copy: the request's list grows on
     finish_reason: FinishReason | None
     error: str                      # as the client may read it (no worker addresses)
     invalid: bool                   # an error the request itself caused (HTTP 400)
@@ -37,7 +37,7 @@ class RequestOutput:
     lane: int
     num_cached_tokens: int          # on its first output only; 0 after
     stop_token_id: int | None
-    logprobs: tuple[TokenLogprobs, ...]  # one per new token when the request asked, else empty
+    logprobs: list[TokenLogprobs]   # one per new token when the request asked, else empty
 
 
 @dataclass(slots=True)
@@ -53,11 +53,12 @@ SessionMessage = Admission | StepOutputs
 def output_of(request: Request, error: str | None = None) -> RequestOutput:
     """The request's delta since it was last marked sent (pure: the publisher marks it).
     `error`: its error as the client may read it (default: as the request holds it)."""
-    new = tuple(request.output_token_ids[request.num_sent_tokens:])
-    logprobs: tuple[TokenLogprobs, ...] = ()
+    new = request.output_token_ids[request.num_sent_tokens:]
+    logprobs: list[TokenLogprobs] = []
     if request.sampling.logprobs is not None:
         assert len(request.unsent_logprobs) == len(new), "one TokenLogprobs per new token"
-        logprobs = tuple(request.unsent_logprobs)
+        # Handed over, not copied: mark_sent starts the request a new list.
+        logprobs = request.unsent_logprobs
     return RequestOutput(request.request_id, new, request.finish_reason,
                          request.error if error is None else error, request.invalid, request.worker, request.lane,
                          request.num_cached_tokens if request.num_sent_tokens == 0 else 0,

@@ -24,8 +24,8 @@ def test_an_output_is_a_copy_the_request_moving_on_does_not_change():
     r.mark_sent()
     r.output_token_ids.append(9)
     r.unsent_logprobs.append(TokenLogprobs([9], [-0.2], 1))
-    assert out.new_token_ids == (7, 8) and [lp.token_ids for lp in out.logprobs] == [[7, 3], [8, 3]]
-    assert output_of(r).new_token_ids == (9,)
+    assert out.new_token_ids == [7, 8] and [lp.token_ids for lp in out.logprobs] == [[7, 3], [8, 3]]
+    assert output_of(r).new_token_ids == [9]
 
 
 def test_the_cached_tokens_ride_on_the_first_output_only():
