@@ -112,36 +112,48 @@ class Engine:
         self._clients.pop(client_id, None)
         self.abort([rid for rid, r in self.requests.items() if r.client_id == client_id], client_id)
 
-    def add(self, request: Request, unsupported: Sequence[str] = (), image_problem: str | None = None) -> None:
-        """Admit or refuse a request (as wire.request_from_pb made it: its session in `client_id`,
-        its wire size in `held_bytes`); the session always gets exactly one Admission for it.
-        `unsupported`: options it sets that this release does not apply; `image_problem`: why its
-        image tensors are malformed (wire.mm_inputs_problem)."""
-        queue = self._clients[request.client_id]
-        limits = self.limits
-        ready = self._serving_workers()
+    def turned_away(self, request_id: str, tenant: str, wire_size: int, client_id: int) -> bool:
+        """Refuse an arrival the control plane cannot take now, whatever it asks: it is shutting
+        down, no worker is ready, or the queue's bounds are reached (queue_bounds.py). True when
+        refused (its session has the Admission). The service edge asks before converting the
+        request, so a refusal under overload costs no conversion; `add` asks again."""
+        queue = self._clients[client_id]
         if self.draining:
             self.metrics.refused.labels("draining").inc()
             queue.put_nowait(Admission(
-                request.request_id, Verdict.UNAVAILABLE,
+                request_id, Verdict.UNAVAILABLE,
                 "the control plane is shutting down: it finishes the requests it holds and admits "
                 "no new ones; retry on another replica"))
-            return
-        if not ready or limits is None:
+            return True
+        ready = self._serving_workers()
+        if not ready or self.limits is None:
             self.metrics.refused.labels("unavailable").inc()
-            queue.put_nowait(Admission(request.request_id, Verdict.UNAVAILABLE,
+            queue.put_nowait(Admission(request_id, Verdict.UNAVAILABLE,
                                        self._for_client(f"no worker is ready ({self.not_ready_reason})")))
-            return
+            return True
         loads = [load for w in ready for load in w.loads()]
         rows = len(loads) * self.config.max_num_seqs
         # Requests that take a free row at the next step are not queued.
         waiting = max(len(self._migrating) + sum(load.waiting for load in loads)
                       - (rows - sum(load.running for load in loads)), 0)
-        overloaded = self._ledger.refusal(self.config.queue, waiting, rows, request.tenant, request.held_bytes)
+        overloaded = self._ledger.refusal(self.config.queue, waiting, rows, tenant, wire_size)
         if overloaded:
             self.metrics.refused.labels("overloaded").inc()
-            queue.put_nowait(Admission(request.request_id, Verdict.OVERLOADED, overloaded))
+            queue.put_nowait(Admission(request_id, Verdict.OVERLOADED, overloaded))
+            return True
+        return False
+
+    def add(self, request: Request, unsupported: Sequence[str] = (), image_problem: str | None = None) -> None:
+        """Admit or refuse a request (as wire.request_from_pb made it: its session in `client_id`,
+        its wire size in `held_bytes`); the session always gets exactly one Admission for it.
+        `unsupported`: options it sets that this release does not apply; `image_problem`: why its
+        image tensors are malformed (wire.mm_inputs_problem)."""
+        if self.turned_away(request.request_id, request.tenant, request.held_bytes, request.client_id):
             return
+        queue = self._clients[request.client_id]
+        limits = self.limits
+        assert limits is not None
+        ready = self._serving_workers()
         request.record_received(time.monotonic())
         try:
             if request.request_id in self.requests:
@@ -358,7 +370,7 @@ class Engine:
             queue.put_nowait(None)
 
     def _publish(self, step_id: int, changed: list[Request]) -> None:
-        """Queue each changed request's delta for its session, copied now (output_of): the
+        """Queue each changed request's delta for its session, taken now (output_of): the
         request is marked sent at once and moves on while the copy waits to be sent."""
         by_client: dict[int, list[RequestOutput]] = {}
         mono = time.monotonic()

@@ -46,7 +46,8 @@ class GroupPlan:
 
     @property
     def samples_on_host(self) -> bool:
-        """Some decode row samples on the host (Request.planned_on_host)."""
+        """Some decode row samples on the host (Request.planned_on_host): asked right after
+        planning, before anything applies to its requests."""
         return any(w.request.planned_on_host() for lane in self.lanes for w in lane.decode)
 
 
@@ -67,7 +68,7 @@ class LaneGroup:
 
     def schedule(self) -> GroupPlan:
         has_decodes = any(lane.has_decodes() for lane in self.lanes)
-        wants_prefill = any([lane.wants_prefill() for lane in self.lanes])  # all set aside
+        wants_prefill = any(lane.wants_prefill() for lane in self.lanes)
         kind = self.policy.choose(wants_prefill, has_decodes)
         plans = self._plan_lanes(kind)
         if kind is StepKind.PREFILL and not any(p.prefill for p in plans) and has_decodes:

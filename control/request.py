@@ -332,6 +332,7 @@ class Request:
         return new
 
     def mark_sent(self) -> None:
-        """Its output so far has been sent to the client (session.output_of copied the delta)."""
+        """Its output so far has been sent to the client (session.output_of took the delta:
+        its logprobs list goes with it, and a new one starts here)."""
         self.num_sent_tokens = len(self.output_token_ids)
         self.unsent_logprobs = []

@@ -5,7 +5,8 @@ Lane-local state only: its own waiting and running queues, block pool and slots,
 coordinator can run several of these side by side. `plan` is the one planner of every step,
 synchronous or pipelined (async decode plans a decode before the one in flight returns, counting
 its token as in flight: Request.num_in_flight); it is also the only call that changes the queues
-while planning. Everything else that asks (`wants_prefill`, `pipelined_rows`, ...) only reads.
+while planning. Everything else that asks (`wants_prefill`, `pipelined_rows`, ...) only reads
+(a request's block hashes aside: computed once, then kept, Request.full_block_hashes).
 """
 from __future__ import annotations
 

@@ -48,9 +48,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def _read(self, requests: AsyncIterator[engine_pb2.ClientMessage], client_id: int) -> None:
         async for message in requests:
             if message.HasField("add"):
-                request, unsupported = request_from_pb(message.add, client_id)
-                self.engine.add(request, unsupported,
-                                mm_inputs_problem(message.add) if message.add.mm_inputs else None)
+                add = message.add
+                if self.engine.turned_away(add.request_id, add.tenant, add.ByteSize(), client_id):
+                    continue  # refused before conversion: overload costs no more than this
+                request, unsupported = request_from_pb(add, client_id)
+                self.engine.add(request, unsupported, mm_inputs_problem(add) if add.mm_inputs else None)
             elif message.HasField("abort"):
                 self.engine.abort(list(message.abort.request_ids), client_id)
 

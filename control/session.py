@@ -51,7 +51,8 @@ SessionMessage = Admission | StepOutputs
 
 
 def output_of(request: Request, error: str | None = None) -> RequestOutput:
-    """The request's delta since it was last marked sent (pure: the publisher marks it).
+    """The request's delta since it was last marked sent: new tokens copied, unsent logprobs
+    handed over, so the caller must `Request.mark_sent` right after (Engine._publish does).
     `error`: its error as the client may read it (default: as the request holds it)."""
     new = request.output_token_ids[request.num_sent_tokens:]
     logprobs: list[TokenLogprobs] = []
