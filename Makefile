@@ -36,14 +36,19 @@ stubs:
 serve: setup
 	$(VENV)/bin/ttserve up --port 8000
 
+# Two pytest-xdist workers: a test waiting on its services (a drain, a stall, a start-up) leaves the
+# other core to the other worker. Whole files go to a worker (pyproject.toml: --dist loadfile), so a
+# module's stack starts once. TEST_WORKERS=0 runs everything in this one process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 unit: setup
-	$(PY) -m pytest -q -m "not e2e"
+	$(PY) -m pytest -q -m "not e2e" -n $(TEST_WORKERS)
 
 e2e: setup
-	$(PY) -m pytest -q -m e2e
+	$(PY) -m pytest -q -m e2e -n $(TEST_WORKERS)
 
 bench: setup
 	$(PY) benchmarks/throughput.py

@@ -1,8 +1,17 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# torch's OpenMP threads (libgomp) spin-wait between parallel regions unless told otherwise. On a
+# machine with as many cores as one process has threads (CI: 2), a spinning thread holds the core
+# that its partner, another process's thread, needs: transformers' generate in a test process ran
+# 10x slower beside a busy service or a second xdist worker. Passive waiting changes no result, only
+# how an idle thread waits; set before anything imports torch, and inherited by every service the
+# tests start (their environment is this one's plus their own). A value already set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
@@ -88,3 +97,43 @@ def single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---- pytest-xdist (`make test` and `make unit` run `-n 2`; pyproject.toml sets --dist loadfile) --
+# A worker takes whole files: a module's stack (a module-scoped fixture) starts once, and a
+# module's tests run in their order on one worker. The exception is the benchmarks' file: each
+# of its tests runs one benchmark script in a process of its own and shares nothing, so each is
+# a unit of work of its own and the long ones run beside each other instead of one after another.
+SPLIT_FILES = ("tests/test_benchmarks.py",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.split("::", 1)[0] in SPLIT_FILES:
+                return nodeid
+            return super()._split_scope(nodeid)
+
+    return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the longest units of work first (pyproject.toml keeps this order with
+    --no-loadscope-reorder), so that none of them starts last while the other worker has nothing
+    left: the benchmarks, then the files that start services, then the rest. Whole files move,
+    so a module's own order is kept; a serial run keeps the collection order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    e2e_files = {item.path for item in items if item.get_closest_marker("e2e")}
+
+    def rank(item) -> int:
+        if item.nodeid.split("::", 1)[0] in SPLIT_FILES:
+            return 0
+        return 1 if item.path in e2e_files else 2
+
+    items.sort(key=rank)  # stable: collection order within a rank

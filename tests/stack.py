@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import random
 import re
 import shutil
 import signal
@@ -75,7 +77,44 @@ def metric(url: str, name: str, **labels: str) -> float | None:
     return sample(get(f"{url}/metrics")[1], name, **labels)
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (what bind(0) and outgoing connections get)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _xdist_ports() -> Iterator[int] | None:
+    """Under pytest-xdist (`-n N`), this worker's own block of ports, none of them in the ephemeral
+    range: bind(0) would let two workers pick the same port between the check and the service's
+    own bind (and gRPC binds with SO_REUSEPORT, so both services would start and share it). The
+    block's ports are handed out in turn from a random start, so a concurrent run elsewhere on
+    the machine that took the same block rarely meets this one. None outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return None
+    index, count = int(worker[2:]), max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    low, high = 10000, max(_ephemeral_low(), 12000)
+    size = (high - low) // max(count, index + 1)
+    block = range(low + index * size, low + (index + 1) * size)
+    start = random.SystemRandom().randrange(len(block))  # not the (maybe seeded) module state
+    return itertools.cycle([*block[start:], *block[:start]])
+
+
+_PORTS = _xdist_ports()
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on now (for a service to bind)."""
+    for _ in range(1000 if _PORTS is not None else 0):
+        port = next(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

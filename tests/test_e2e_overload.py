@@ -19,9 +19,19 @@ pytestmark = pytest.mark.e2e
 QUEUE = ("--max-num-queued-reqs", "1", "--max-num-seqs", "1")
 
 
-def test_the_control_plane_refuses_arrivals_beyond_the_queue_bound(tmp_path, smollm2):
-    stack = start_stack(tmp_path, str(smollm2), gateway=False, control_flags=QUEUE)
+@pytest.fixture(scope="module")
+def queue_stack(tmp_path_factory, smollm2):
+    """One row and one queue place, with a gateway: the control plane's refusal (to a gRPC client)
+    and the gateway's (HTTP 503) are checked on the same stack. Each test leaves it idle."""
+    stack = start_stack(tmp_path_factory.mktemp("queue"), str(smollm2), control_flags=QUEUE)
+    yield stack
+    stack.stop()
+
+
+def test_the_control_plane_refuses_arrivals_beyond_the_queue_bound(queue_stack):
+    stack = queue_stack
     client = ControlClient(stack.control_address)
+    refused_before = metric(stack.control_metrics_url, "ttserve_requests_refused_total", reason="overloaded") or 0
     try:
         ids = [f"r{i}" for i in range(6)]
         for rid in ids:
@@ -39,34 +49,32 @@ def test_the_control_plane_refuses_arrivals_beyond_the_queue_bound(tmp_path, smo
         assert all(r.finish_reason == engine_pb2.FinishReason.FINISH_REASON_LENGTH for r in done.values())
         client.add("after", [1, 2, 3], 4, eos_token_ids=())  # serves normally once the burst is over
         assert len(client.collect({"after"})["after"].token_ids) == 4
-        assert metric(stack.control_metrics_url, "ttserve_requests_refused_total", reason="overloaded") == len(refused)
+        assert (metric(stack.control_metrics_url, "ttserve_requests_refused_total", reason="overloaded")
+                == refused_before + len(refused))
     finally:
         client.close()
-        stack.stop()
 
 
-def test_the_gateway_answers_an_overload_with_503_and_retry_after(tmp_path, smollm2):
-    stack = start_stack(tmp_path, str(smollm2), control_flags=QUEUE)
-    try:
-        def complete(i: int) -> tuple[int, dict, str]:
-            body = json.dumps({"model": smollm2.name, "prompt": f"Count to {i}:", "max_tokens": 8}).encode()
-            request = urllib.request.Request(f"{stack.http_url}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=120) as r:
-                    return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
-            except urllib.error.HTTPError as e:
-                return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
+def test_the_gateway_answers_an_overload_with_503_and_retry_after(queue_stack, smollm2):
+    stack = queue_stack
 
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(complete, range(8)))
-        statuses = [status for status, _, _ in answers]
-        assert set(statuses) <= {200, 503} and 200 in statuses and 503 in statuses, answers
-        status, headers, body = next(a for a in answers if a[0] == 503)
-        assert headers.get("retry-after") == "1" and "--max-num-queued-reqs 1" in body, (headers, body)
-        assert complete(99)[0] == 200  # and serves normally afterwards
-    finally:
-        stack.stop()
+    def complete(i: int) -> tuple[int, dict, str]:
+        body = json.dumps({"model": smollm2.name, "prompt": f"Count to {i}:", "max_tokens": 8}).encode()
+        request = urllib.request.Request(f"{stack.http_url}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(complete, range(8)))
+    statuses = [status for status, _, _ in answers]
+    assert set(statuses) <= {200, 503} and 200 in statuses and 503 in statuses, answers
+    status, headers, body = next(a for a in answers if a[0] == 503)
+    assert headers.get("retry-after") == "1" and "--max-num-queued-reqs 1" in body, (headers, body)
+    assert complete(99)[0] == 200  # and serves normally afterwards
 
 
 def test_a_burst_of_ten_times_capacity_is_bounded_and_served(tmp_path, smollm2):
