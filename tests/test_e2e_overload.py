@@ -103,7 +103,8 @@ def test_a_burst_of_ten_times_capacity_is_bounded_and_served(tmp_path, smollm2):
         overloaded = [rid for rid, v in verdicts.items() if v == engine_pb2.Admission.VERDICT_OVERLOADED]
         assert len(accepted) + len(overloaded) == len(ids) and 0 < len(accepted) < len(ids)
         done = client.collect(accepted)
-        assert all(len(r.token_ids) == 16 for r in done.values())
+        short = {rid: (len(r.token_ids), r.finish_reason, r.error) for rid, r in done.items() if len(r.token_ids) != 16}
+        assert not short, short  # (tokens, finish reason, error) of each accepted request cut short
         growth = {name: (p.memory_info().rss - before[name]) >> 20 for name, p in procs.items()}
         assert all(mib < 64 for mib in growth.values()), growth  # MiB: bounded, not a leak per request
         client.add("after", [1, 2, 3], 4, eos_token_ids=())
