@@ -131,7 +131,6 @@ class WorkerGroup:
         self.description: WorkerDescription | None = None
         self.not_ready_reason = f"connecting to the worker at {address}"
         self.num_steps = 0
-        self.async_decode = False
         self.connected = False        # Describe answered and the link is open
         self.warmup_progress = 0.0    # 0-1, as the worker last reported it
         self.stalled_since: float | None = None  # when the unanswered wait began, once stalled
@@ -251,7 +250,6 @@ class WorkerGroup:
         for note in plan.notes:
             log.log(note.level, "%s", note.text)
         self.description, self.plan = warm, plan
-        self.async_decode = plan.async_decode
         self.lane_group = self._build_group(warm, plan)
 
     def release(self) -> list[Request]:
@@ -291,8 +289,8 @@ class WorkerGroup:
         and steps one at a time. A link that ends raises WorkerLost with the requests held; a
         worker that says it shuts down gets no new step, returns those in flight, and then
         raises WorkerDraining with the requests held."""
-        group, link = self.lane_group, self._link
-        assert group is not None and link is not None
+        group, link, serving = self.lane_group, self._link, self.plan
+        assert group is not None and link is not None and serving is not None
         ended = asyncio.ensure_future(link.ended())
         in_flight: deque[InFlight] = deque()
         try:
@@ -309,7 +307,7 @@ class WorkerGroup:
                         continue
                     # A batch the host samples comes back at once: asking for a pipeline would
                     # only cost an empty flush step.
-                    pipelined = (self.async_decode and plan.kind is StepKind.DECODE
+                    pipelined = (serving.async_decode and plan.kind is StepKind.DECODE
                                  and not plan.samples_on_host)
                     await self._send(link, plan, pipelined, in_flight)
                 newest = in_flight[-1]
