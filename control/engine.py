@@ -116,7 +116,7 @@ class Engine:
         """Refuse an arrival the control plane cannot take now, whatever it asks: it is shutting
         down, no worker is ready, or the queue's bounds are reached (queue_bounds.py). True when
         refused (its session has the Admission). The service edge asks before converting the
-        request, so a refusal under overload costs no conversion; `add` asks again."""
+        request, so a refusal under overload costs no conversion, then calls `admit`."""
         queue = self._clients[client_id]
         if self.draining:
             self.metrics.refused.labels("draining").inc()
@@ -126,7 +126,7 @@ class Engine:
                 "no new ones; retry on another replica"))
             return True
         ready = self._serving_workers()
-        if not ready or self.limits is None:
+        if not ready or self.serving is None:
             self.metrics.refused.labels("unavailable").inc()
             queue.put_nowait(Admission(request_id, Verdict.UNAVAILABLE,
                                        self._for_client(f"no worker is ready ({self.not_ready_reason})")))
@@ -148,8 +148,12 @@ class Engine:
         its wire size in `held_bytes`); the session always gets exactly one Admission for it.
         `unsupported`: options it sets that this release does not apply; `image_problem`: why its
         image tensors are malformed (wire.mm_inputs_problem)."""
-        if self.turned_away(request.request_id, request.tenant, request.held_bytes, request.client_id):
-            return
+        if not self.turned_away(request.request_id, request.tenant, request.held_bytes, request.client_id):
+            self.admit(request, unsupported, image_problem)
+
+    def admit(self, request: Request, unsupported: Sequence[str] = (), image_problem: str | None = None) -> None:
+        """`add` for an arrival `turned_away` has just let through (nothing ran between): its own
+        checks, then a lane. The service edge calls the two apart, converting in between."""
         queue = self._clients[request.client_id]
         limits = self.limits
         assert limits is not None

@@ -52,7 +52,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if self.engine.turned_away(add.request_id, add.tenant, add.ByteSize(), client_id):
                     continue  # refused before conversion: overload costs no more than this
                 request, unsupported = request_from_pb(add, client_id)
-                self.engine.add(request, unsupported, mm_inputs_problem(add) if add.mm_inputs else None)
+                self.engine.admit(request, unsupported, mm_inputs_problem(add) if add.mm_inputs else None)
             elif message.HasField("abort"):
                 self.engine.abort(list(message.abort.request_ids), client_id)
 

@@ -77,9 +77,9 @@ class WorkerLink:
                          progress.completed, progress.total, progress.detail)
                 if progress.done:
                     log.info("worker %s warm after %.1f s", self.address, time.monotonic() - started)
-                    yield progress
-                    return
                 yield progress
+                if progress.done:
+                    return
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise WorkerError(f"worker at {self.address} did not finish warmup within "

@@ -31,7 +31,7 @@ def signature_problem(want: inspect.Signature, got: inspect.Signature) -> str | 
     wanted = list(want.parameters.values())[1:]
     given = list(got.parameters.values())[1:]
     by_name = {p.name: p for p in given}
-    var_keyword = any(p.kind is p.VAR_KEYWORD for p in given)
+    var_keyword = any(p.kind is p.VAR_KEYWORD for p in given)  # the protocol's **inputs
     positional = [p for p in given if p.kind is p.POSITIONAL_OR_KEYWORD]
     for i, p in enumerate(q for q in wanted if q.kind is q.POSITIONAL_OR_KEYWORD):
         if i >= len(positional) or positional[i].name != p.name:
@@ -43,9 +43,9 @@ def signature_problem(want: inspect.Signature, got: inspect.Signature) -> str | 
             continue
         mine = by_name.get(p.name)
         if mine is None:
-            if not var_keyword:
-                return f"takes no {p.name!r}"
-            continue
+            # Named, not left to **kwargs: a backend forwards its **kwargs to the model, so a
+            # parameter it leaves there (`previous`, say) would reach the model unread.
+            return f"takes no {p.name!r}"
         if p.default is not p.empty and mine.default is p.empty:
             return f"{p.name!r} has no default"
     names = {p.name for p in wanted}
@@ -108,3 +108,24 @@ def test_each_backend_states_its_own_prefill_rules():
     assert ttnn_backend.max_prefill_users(qwen2_5_vl, True) is None
     # tt-metal's vision classes return logits from prefill; the torch reference VLM mirrors them
     assert ttnn_backend.vision_prefill_samples_on_host and torch_backend.vision_prefill_samples_on_host
+
+
+def _launch_decode_without_previous(self, model, sampling_params, *, tokens, start_pos, page_table, kv_cache,
+                                    carried_rows=(), **inputs): ...
+
+
+def _finish_decode_swapped(self, pending, model): ...
+
+
+def _warmup_without_progress(self, model, kv_cache, config, page_table_width): ...
+
+
+def _sampling_params_with_a_required_extra(self, batch, seeds, extra): ...
+
+
+@pytest.mark.parametrize("wrong", [_launch_decode_without_previous, _finish_decode_swapped,
+                                   _warmup_without_progress, _sampling_params_with_a_required_extra],
+                         ids=lambda fn: fn.__name__.lstrip("_"))
+def test_the_signature_check_refuses_a_method_the_runner_cannot_call(wrong):
+    name = next(n for n in protocol_members() if wrong.__name__.lstrip("_").startswith(n))
+    assert signature_problem(inspect.signature(getattr(DeviceBackend, name)), inspect.signature(wrong))

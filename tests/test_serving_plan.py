@@ -186,29 +186,21 @@ def test_a_later_worker_serves_with_the_first_workers_max_model_len():
     assert later.max_model_len == 2048 and later.notes == () and later.async_decode
 
 
-def test_a_later_worker_of_another_model_is_refused():
+@pytest.mark.parametrize("later, warm_kw, refusal", [
+    (cold(architecture="Y", vocab_size=200, address="w:2"), {},
+     "the worker at w:2 serves Y (vocabulary 200) but this control plane serves X (vocabulary 100): every "
+     "worker must serve the same model"),
+    (cold(address="w:2"), {"block_size": 32},
+     "the worker at w:2 uses KV blocks of 32 tokens but the first worker uses 64: start every worker with the "
+     "same --block-size (prefix caching and placement hash whole blocks)"),
+    (cold(address="w:2"), {"tokens_per_lane": 1024},
+     "the worker at w:2 holds 1024 tokens per lane, below max_model_len 4096: give it more KV memory"),
+], ids=["another model", "another block size", "a lane below max_model_len"])
+def test_a_later_worker_that_does_not_match_the_first_is_refused(later, warm_kw, refusal):
     first = plan(config())
     with pytest.raises(IncompatibleWorker) as refused:
-        plan(config(), cold(architecture="Y", vocab_size=200, address="w:2"), fixed=first)
-    assert str(refused.value) == ("the worker at w:2 serves Y (vocabulary 200) but this control plane serves X "
-                                  "(vocabulary 100): every worker must serve the same model")
-
-
-def test_a_later_worker_with_another_block_size_is_refused():
-    first = plan(config())
-    with pytest.raises(IncompatibleWorker) as refused:
-        plan(config(), cold(address="w:2"), fixed=first, block_size=32)
-    assert str(refused.value) == ("the worker at w:2 uses KV blocks of 32 tokens but the first worker uses 64: "
-                                  "start every worker with the same --block-size (prefix caching and placement "
-                                  "hash whole blocks)")
-
-
-def test_a_later_worker_whose_lane_cannot_hold_max_model_len_is_refused():
-    first = plan(config())
-    with pytest.raises(IncompatibleWorker) as refused:
-        plan(config(), cold(address="w:2"), fixed=first, tokens_per_lane=1024)
-    assert str(refused.value) == ("the worker at w:2 holds 1024 tokens per lane, below max_model_len 4096: "
-                                  "give it more KV memory")
+        plan(config(), later, fixed=first, **warm_kw)
+    assert str(refused.value) == refusal
 
 
 def test_planning_is_pure(caplog):

@@ -75,6 +75,7 @@ def _description(plan: WorkerPlan, address: str) -> WorkerDescription:
     """The worker as it would describe itself before warmup (worker/server.py's Describe), made
     from its plan: what the control plane's serving plan reads."""
     from ttserve.control.wire import WorkerDescription
+    from ttserve.worker.planning.registry import mixture_of_experts
 
     config = plan.hf_config
     known = plan.model_cls is not None
@@ -88,9 +89,7 @@ def _description(plan: WorkerPlan, address: str) -> WorkerDescription:
         supports_chunked_prefill=caps.get("supports_chunked_prefill", not known),
         supports_prefix_caching=caps.get("supports_prefix_caching", not known),
         single_execute_lanes=plan.lanes_in_process,
-        # worker/runner.py ModelRunner.is_mixture_of_experts, on the same config
-        mixture_of_experts=any(int(config.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts",
-                                                                    "n_routed_experts")))
+        mixture_of_experts=mixture_of_experts(config))
 
 
 def _serving_problems(config: EngineConfig | None,

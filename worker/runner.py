@@ -22,6 +22,7 @@ from .batch import (DecodeItem, HostSampling, ImageInput, NewRequest, PrefillChu
                     TokenLogprobs)
 from .device import DeviceBackend, PendingDecode, Progress
 from .planning.options import async_decode_allowed, device_sampling, trace_flags
+from .planning.registry import mixture_of_experts
 from .sampling import SamplingBatch, draws, gather_logprobs, sample, seeded_generator
 from .step_check import Limits, check_batch
 
@@ -189,8 +190,7 @@ class ModelRunner:
 
     @property
     def is_mixture_of_experts(self) -> bool:
-        c = self.hf_config
-        return any(int(c.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        return mixture_of_experts(self.hf_config)
 
     @property
     def uses_mrope(self) -> bool:

@@ -103,6 +103,12 @@ class ModelLoadError(RegistryError):
     does not implement the generator contract."""
 
 
+def mixture_of_experts(hf_config: Mapping) -> bool:
+    """A checkpoint's config.json declares more than one expert (the keys Mixtral, Qwen-MoE and
+    DeepSeek use): data parallelism over independent groups is refused for it."""
+    return any(int(hf_config.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def tt_name(arch: str) -> str:
     """The registry name of a Hugging Face architecture: TT-prefixed, as the plugin names them."""
     return arch if arch.startswith("TT") else "TT" + arch
