@@ -178,6 +178,22 @@ def test_control_plane_and_worker_refusals_are_2(service, flags, words):
     assert done.returncode == 2 and words in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("service, flags", [
+    ("worker", ["--metrics-port", "0", "--num-threads", "-1"]),
+    ("worker", ["--metrics-port", "0", "--model", "/no/such/folder"]),
+    ("worker", ["--metrics-port", "0", "--backend", "ttnn"]),  # on a host without ttnn
+    ("control", ["--metrics-port", "0", "--max-num-seqs", "0"]),
+    ("gateway", ["--api-key-file", "/no/such/keys"])])
+def test_a_refusal_comes_before_torch_and_vllm_are_imported(service, flags):
+    """An operator's typo is answered in a fraction of a second, not after seconds of torch (the
+    worker) or vLLM (the gateway) imports; the refusal tests above stay cheap for the same reason."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", f"ttserve.{service}", "--port", str(free_port()),
+                           *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "vllm", "transformers"}, sorted(imported & {"torch", "vllm", "transformers"})
+
+
 @pytest.mark.e2e
 def test_control_plane_waiting_for_an_absent_worker_stops_with_0_on_sigterm(tmp_path):
     control = start_control(tmp_path, absent_address(), "--shutdown-timeout", "2")

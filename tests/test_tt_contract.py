@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -372,25 +373,54 @@ def test_galaxy_generators_take_no_custom_optimizations(tt_metal, tmp_path):
 
 # ---- ttserve check, as an operator runs it -----------------------------------------------------------
 
+CHECK_UNSET = ("HF_MODEL", "LLAMA_DIR", "MESH_DEVICE")  # the host's, which would change the plan
+
+
 def run_check(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ("HF_MODEL", "LLAMA_DIR", "MESH_DEVICE")}
+    """`python -m ttserve.cli check ARGV` in a process of its own, as an operator runs it."""
+    environ = {k: v for k, v in os.environ.items() if k not in CHECK_UNSET}
     environ.update(env, PYTHONPATH=os.pathsep.join([str(TREE), str(TESTS)]))
     return subprocess.run([sys.executable, "-m", "ttserve.cli", "check", *argv], capture_output=True, text=True,
                           env=environ, timeout=120)
 
 
-def test_check_refuses_a_galaxy_lane_count_that_is_not_a_multiple_of_4(tmp_path):
-    done = run_check("--backend", "ttnn", "--model", str(checkpoint(tmp_path)), "--data-parallel-size", "3",
-                     env={"MESH_DEVICE": "TG", **GALAXY_ENV})
+@pytest.fixture
+def check_here(tt_metal, monkeypatch, capsys):
+    """run_check's twin in this process: the CLI's main(["check", ...]) under the same environment
+    (the fake tt-metal tree importable, CHECK_UNSET unset, `env` set), its exit status and output as
+    a CompletedProcess. A process of its own costs ~10 CPU-s of torch and vLLM imports, paid here
+    once; test_check_passes_the_embedded_default_and_refuses_a_bad_control_flag keeps a real one."""
+    from ttserve import cli
+
+    vllm_log = logging.getLogger("vllm")
+    level = vllm_log.level
+
+    def run(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+        for var in CHECK_UNSET:
+            monkeypatch.delenv(var, raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        capsys.readouterr()
+        status = cli.main(["check", *argv])
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(["ttserve", "check", *argv], status, captured.out, captured.err)
+
+    yield run
+    vllm_log.setLevel(level)  # the check quiets vLLM's import-time notes; other tests' logs keep them
+
+
+def test_check_refuses_a_galaxy_lane_count_that_is_not_a_multiple_of_4(tmp_path, check_here):
+    done = check_here("--backend", "ttnn", "--model", str(checkpoint(tmp_path)), "--data-parallel-size", "3",
+                      env={"MESH_DEVICE": "TG", **GALAXY_ENV})
     assert done.returncode == 1, done.stdout + done.stderr
     assert "lane count must be a multiple of 4" in done.stdout
     assert "models.demos.llama3_70b_galaxy.tt.generator_vllm:LlamaForCausalLM" in done.stdout
 
 
-def test_check_prints_the_plan_of_a_good_configuration_and_passes_without_chips(tmp_path):
-    done = run_check("--backend", "ttnn", "--model", str(checkpoint(tmp_path)),
-                     "--additional-config.tt.sample_on_device_mode", "all", "--max-num-seqs", "32",
-                     env={"MESH_DEVICE": "N150"})
+def test_check_prints_the_plan_of_a_good_configuration_and_passes_without_chips(tmp_path, check_here):
+    done = check_here("--backend", "ttnn", "--model", str(checkpoint(tmp_path)),
+                      "--additional-config.tt.sample_on_device_mode", "all", "--max-num-seqs", "32",
+                      env={"MESH_DEVICE": "N150"})
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     for expected in ("mesh:", "N150 1x1", "TTLlamaForCausalLM (tt_transformers)", "HF_MODEL=", "(set from --model)",
@@ -399,9 +429,9 @@ def test_check_prints_the_plan_of_a_good_configuration_and_passes_without_chips(
         assert expected in out, (expected, out)
 
 
-def test_check_fails_on_each_services_bad_flags(tmp_path):
-    done = run_check("--backend", "ttnn", "--model", str(checkpoint(tmp_path)), "--max-num-seqs", "12",
-                     "--additional-config.tt.rank_binding", "ranks.yaml", env={"MESH_DEVICE": "N150"})
+def test_check_fails_on_each_services_bad_flags(tmp_path, check_here):
+    done = check_here("--backend", "ttnn", "--model", str(checkpoint(tmp_path)), "--max-num-seqs", "12",
+                      "--additional-config.tt.rank_binding", "ranks.yaml", env={"MESH_DEVICE": "N150"})
     assert done.returncode == 1, done.stdout + done.stderr
     assert "tt.rank_binding = 'ranks.yaml' configures the TT vLLM plugin's multi-rank launch" in done.stdout
     assert "--max-num-seqs 12: tt_transformers' ModelArgs supports batch sizes 1, 2, 4, 8, 16, 32" in done.stdout
@@ -485,11 +515,11 @@ def test_a_generator_emitting_several_tokens_per_step_is_refused(tmp_path, monke
         warm(runner)
 
 
-def test_check_passes_the_embedded_default_and_refuses_a_bad_control_flag(smollm2):
-    done = run_check(env={})
+def test_check_passes_the_embedded_default_and_refuses_a_bad_control_flag(smollm2, check_here):
+    done = run_check(env={})  # end to end: the entry point, a fresh process's imports, the exit status
     assert done.returncode == 0, done.stdout + done.stderr
     assert "backend:      torch" in done.stdout and "nothing found that would stop start-up" in done.stdout
-    done = run_check("--max-num-seqs", "0", "--port", "50051", env={})
+    done = check_here("--max-num-seqs", "0", "--port", "50051", env={})
     assert done.returncode == 1
     assert "error: control plane: --max-num-seqs must be a positive per-lane count, got 0" in done.stdout
     assert "error: port 50051 is given to 2 services" in done.stdout

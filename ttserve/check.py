@@ -26,10 +26,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("ttserve.check")
 
 
-def check(argv: list[str], out: TextIO = sys.stdout) -> int:
+def check(argv: list[str], out: TextIO | None = None) -> int:
+    """The report goes to `out`, by default sys.stdout as it is at the call (not at import: a
+    caller that redirects sys.stdout gets the report)."""
     from ttserve.up import split_flags
     from ttserve.worker.planning.preflight import Serving, plan_worker
 
+    out = sys.stdout if out is None else out
     up_args, shares = split_flags(argv)
     worker = _parse("worker", shares["worker"])
     control = _parse("control", shares["control"])

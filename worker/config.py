@@ -91,13 +91,7 @@ def worker_tls(args: argparse.Namespace) -> Tls:
 def build_service(args: argparse.Namespace, control_identity: str | None = None):
     """The worker as the plan says (worker/planning/preflight.py): every check `ttserve check` makes runs
     here first, and any problem that would stop start-up stops it now, before a device opens."""
-    import torch
-
-    from .backends.sim.model import PROFILES, SimModel
-    from .backends.torch.backend import TorchBackend
     from .planning.preflight import plan_worker
-    from .runner import DeviceOptions, ModelRunner
-    from .server import DeviceService
 
     plan = plan_worker(args)
     for warning in plan.warnings:
@@ -106,6 +100,15 @@ def build_service(args: argparse.Namespace, control_identity: str | None = None)
         for problem in plan.fatal[:-1]:
             log.error("%s", problem)
         raise ConfigRefused(plan.fatal[-1])
+    # After the plan: a refusal that needs no torch (flags, files, a missing ttnn) comes without
+    # loading it (~2 CPU-s of imports).
+    import torch
+
+    from .backends.sim.model import PROFILES, SimModel
+    from .backends.torch.backend import TorchBackend
+    from .runner import DeviceOptions, ModelRunner
+    from .server import DeviceService
+
     threads = args.num_threads or cpu_threads()
     torch.set_num_threads(threads)
     options, model_cls, device = plan.options, plan.model_cls, torch.device(args.device)

@@ -86,7 +86,9 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
     """The plan for the worker flags `args` under `env`.
 
     `serving`: the control plane's flags when known (`ttserve check`); the worker itself learns
-    them at warmup. `need_hardware`: missing chips are fatal (the worker) or a warning (a check).
+    them at warmup. `need_hardware`: missing chips are fatal (the worker) or a warning (a check);
+    the worker's plan also ends at refused flags, before the model's checks import torch and the
+    model code, while a check goes on to judge everything.
     `probe` asks ttnn for the chips (backends.ttnn.mesh_device.probe_chips by default): once, in a child
     process; nothing here opens a device.
     """
@@ -100,6 +102,8 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
         plan.refuse(str(e))
     for problem in _flag_problems(args):
         plan.refuse(problem)
+    if need_hardware and plan.fatal:
+        return plan  # the answer to a typo, given before torch and the model code load (seconds)
     _choose_backend(plan, args.backend, need_hardware, probe)
     if plan.backend == "ttnn" and need_hardware and not plan.hardware_verified:
         return plan  # nothing to run on: that one line is the answer
