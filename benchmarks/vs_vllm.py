@@ -12,7 +12,7 @@ is better for ttserve; TTFT, TPOT: lower is), start-up seconds, and per-process 
 after the load. The KV cache is allocated zeroed (resident) by both; "non-KV" subtracts it.
 
     python benchmarks/vs_vllm.py [--concurrency 1 8 32] [--rounds 1] [--dtype bfloat16]
-    python benchmarks/vs_vllm.py --quick     # CI: tiny load, vLLM --enforce-eager
+    python benchmarks/vs_vllm.py --quick     # CI: tiny load, 256 MiB KV caches, vLLM --enforce-eager
 """
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ from control_stack import free_port
 HERE = Path(__file__).resolve().parent
 INPUT_LEN, OUTPUT_LEN = 128, 64
 KV_BYTES = 1 << 30
+# --quick: 8,192 tokens (SmolLM2-135M's max model length, which vLLM's cache must hold) take
+# 180 MiB in bfloat16, and the quick load needs under 600. vLLM writes its whole cache at start-up
+# (resident: its RSS at ready is 0.75 GiB lower with this), ~0.6 CPU-s of page faults per GiB.
+QUICK_KV_BYTES = 256 << 20
 GIB = float(1 << 30)
 
 
@@ -102,55 +106,101 @@ def _label(p: psutil.Process) -> str:
     return p.name() if len(cmd) < 2 else Path(cmd[1]).name + (" " + cmd[2] if len(cmd) > 2 else "")
 
 
-def vllm_server(model: Path, name: str, dtype: str, eager: bool) -> Server:
+def vllm_server(model: Path, name: str, dtype: str, eager: bool, kv_bytes: int) -> Server:
     cores = sorted(os.sched_getaffinity(0))
     port = free_port()
     argv = [sys.executable, str(HERE / "vllm_cli.py"), "serve", str(model), "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-            "--kv-cache-memory-bytes", str(KV_BYTES), "--seed", "0"] + (["--enforce-eager"] if eager else [])
+            "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0"] + (["--enforce-eager"] if eager else [])
     return Server("vllm", argv, port, env={"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"
                                            if cores == list(range(cores[0], cores[-1] + 1))
                                            else ",".join(map(str, cores)),
                                            "PYTHONWARNINGS": "ignore::DeprecationWarning"})
 
 
-def ttserve_server(model: Path, dtype: str, extra: list[str]) -> Server:
+def ttserve_server(model: Path, dtype: str, kv_bytes: int, extra: list[str]) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "ttserve.cli", "up", "--port", str(port),
             "--control-port", str(free_port()), "--worker-port", str(free_port()),
             "--control-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port()),
-            "--model", str(model), "--dtype", dtype, "--kv-cache-memory-bytes", str(KV_BYTES), *extra]
+            "--model", str(model), "--dtype", dtype, "--kv-cache-memory-bytes", str(kv_bytes), *extra]
     return Server("ttserve", argv, port)
 
 
-def bench(server: Server, model: Path, name: str, concurrency: int, prompts: int, output_len: int,
-          result_dir: Path) -> dict:
+class BenchClient:
+    """The `vllm bench serve` runs of this benchmark, each one the CLI's run with its arguments,
+    all in one `vllm_cli.py --each` process: vLLM's import (~10 CPU-s) is paid once, not per run."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_path = log_dir / "vllm-bench.log"
+        read_fd, write_fd = os.pipe()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_cli.py"), "--each", str(write_fd)],
+                                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                         pass_fds=(write_fd,), text=True,
+                                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd)
+        self._reply(0)  # {"ready": true}: imported before any server starts, so no start-up shares the CPU with it
+
+    def _reply(self, log_from: int) -> dict:
+        line = self.replies.readline()
+        if not line:
+            raise RuntimeError(f"the vllm bench client exited with {self.proc.wait()}:\n{self._tail(log_from)}")
+        return json.loads(line)
+
+    def _tail(self, log_from: int) -> str:
+        with open(self.log_path, errors="replace") as log:
+            log.seek(log_from)
+            return log.read()[-6000:]
+
+    def run(self, argv: list[str]) -> tuple[int, str]:
+        """Runs `vllm ARGV...`; returns its exit status, and the output it wrote when non-zero."""
+        log_from = self.log_path.stat().st_size
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        rc = self._reply(log_from)["rc"]
+        return rc, (self._tail(log_from) if rc else "")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the runner's loop ends on end of input
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.replies.close()
+
+
+def bench(client: BenchClient, server: Server, model: Path, name: str, concurrency: int, prompts: int,
+          output_len: int, result_dir: Path) -> dict:
     """One `vllm bench serve` run; returns its saved result."""
     filename = f"{server.name}-c{concurrency}-{time.monotonic_ns()}.json"
-    argv = [sys.executable, str(HERE / "vllm_cli.py"), "bench", "serve", "--backend", "vllm",
+    argv = ["bench", "serve", "--backend", "vllm",
             "--base-url", f"http://127.0.0.1:{server.port}", "--model", name, "--tokenizer", str(model),
             "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
             "--random-output-len", str(output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
             "--num-prompts", str(prompts), "--seed", "0", "--percentile-metrics", "ttft,tpot",
             "--metric-percentiles", "50", "--num-warmups", str(concurrency), "--disable-tqdm", "--save-result",
             "--result-dir", str(result_dir), "--result-filename", filename]
-    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if done.returncode != 0:
-        raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rc, output = client.run(argv)
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve against {server.name} failed (exit status {rc}):\n{output}")
     result = json.loads((result_dir / filename).read_text())
     if result.get("completed") != prompts:
         raise RuntimeError(f"{server.name}: {result.get('completed')} of {prompts} requests completed")
     return result
 
 
-def run_server(server: Server, model: Path, name: str, levels: list[int], prompts_per: dict[int, int],
-               output_len: int, result_dir: Path, timeout: float) -> dict:
+def run_server(client: BenchClient, server: Server, model: Path, name: str, levels: list[int],
+               prompts_per: dict[int, int], output_len: int, result_dir: Path, timeout: float) -> dict:
     try:
         startup = server.start(name, timeout)
         at_ready = server.rss()
         runs = {}
         for c in levels:
-            r = bench(server, model, name, c, prompts_per[c], output_len, result_dir)
+            r = bench(client, server, model, name, c, prompts_per[c], output_len, result_dir)
             runs[c] = {"output_tok_s": r["output_throughput"], "ttft_p50_ms": r["median_ttft_ms"],
                        "tpot_p50_ms": r["median_tpot_ms"]}
             print(f"  {server.name} c={c}: {runs[c]['output_tok_s']:.1f} tok/s, TTFT p50 "
@@ -164,7 +214,7 @@ def _median(rounds: list[dict], c: int, key: str) -> float:
     return statistics.median(r["runs"][c][key] for r in rounds)
 
 
-def report(results: dict[str, list[dict]], levels: list[int]) -> dict:
+def report(results: dict[str, list[dict]], levels: list[int], kv_bytes: int) -> dict:
     v, t = results["vllm"], results["ttserve"]
     rows = []
     print("\n| concurrency | vLLM out tok/s | ttserve out tok/s | ratio | TTFT p50 ms vLLM / ttserve (ratio) "
@@ -185,10 +235,10 @@ def report(results: dict[str, list[dict]], levels: list[int]) -> dict:
         total_ready, total_after = sum(last["rss_ready_gib"].values()), sum(last["rss_after_gib"].values())
         summary[name] = {"startup_s": startup, "rss_ready_gib": last["rss_ready_gib"],
                          "rss_after_gib": last["rss_after_gib"], "rss_total_after_gib": total_after,
-                         "rss_non_kv_after_gib": total_after - KV_BYTES / GIB}
+                         "rss_non_kv_after_gib": total_after - kv_bytes / GIB}
         print(f"\n{name}: start-up to serving {startup:.1f} s; RSS at ready {total_ready:.2f} GiB, after load "
-              f"{total_after:.2f} GiB ({total_after - KV_BYTES / GIB:.2f} GiB without the "
-              f"{KV_BYTES / GIB:.0f} GiB KV cache)")
+              f"{total_after:.2f} GiB ({total_after - kv_bytes / GIB:.2f} GiB without the "
+              f"{kv_bytes / GIB:g} GiB KV cache)")
         for proc, gib in last["rss_after_gib"].items():
             print(f"  {proc}: {gib * 1024:.0f} MiB")
     print(f"\nratio start-up ttserve / vLLM: {summary['ttserve']['startup_s'] / summary['vllm']['startup_s']:.2f}")
@@ -203,7 +253,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", help="both servers' --dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     parser.add_argument("--quick", action="store_true",
-                        help="CI: concurrency 1 and 4, 4 prompts each, 16 output tokens, vLLM eager")
+                        help="CI: concurrency 1 and 4, 4 prompts each, 16 output tokens, 256 MiB KV, vLLM eager")
     parser.add_argument("--only", choices=("vllm", "ttserve"), default=None,
                         help="run one server (no ratios): for profiling one side")
     parser.add_argument("--ttserve-arg", action="append", default=[], metavar="ARG",
@@ -213,8 +263,9 @@ def main() -> int:
     args = parser.parse_args()
     levels, output_len = args.concurrency, OUTPUT_LEN
     prompts_per = {c: max(8, 3 * c) for c in levels}
+    kv_bytes = KV_BYTES
     if args.quick:
-        levels, output_len, args.enforce_eager, args.rounds = [1, 4], 16, True, 1
+        levels, output_len, args.enforce_eager, args.rounds, kv_bytes = [1, 4], 16, True, 1, QUICK_KV_BYTES
         prompts_per = {c: 4 for c in levels}
     from ttserve.worker.planning.model_prepare import resolve_model
 
@@ -222,23 +273,27 @@ def main() -> int:
     name = model.name
     results: dict[str, list[dict]] = {"vllm": [], "ttserve": []}
     with tempfile.TemporaryDirectory(prefix="vs_vllm-") as tmp:
-        for i in range(args.rounds):
-            order = ["vllm", "ttserve"] if i % 2 == 0 else ["ttserve", "vllm"]
-            order = [args.only] if args.only else order
-            for which in order:
-                server = (vllm_server(model, name, args.dtype, args.enforce_eager) if which == "vllm"
-                          else ttserve_server(model, args.dtype, args.ttserve_arg))
-                print(f"round {i + 1}: {which}", flush=True)
-                results[which].append(run_server(server, model, name, levels, prompts_per, output_len,
-                                                 Path(tmp), args.timeout))
+        client = BenchClient(Path(tmp))
+        try:
+            for i in range(args.rounds):
+                order = ["vllm", "ttserve"] if i % 2 == 0 else ["ttserve", "vllm"]
+                order = [args.only] if args.only else order
+                for which in order:
+                    server = (vllm_server(model, name, args.dtype, args.enforce_eager, kv_bytes) if which == "vllm"
+                              else ttserve_server(model, args.dtype, kv_bytes, args.ttserve_arg))
+                    print(f"round {i + 1}: {which}", flush=True)
+                    results[which].append(run_server(client, server, model, name, levels, prompts_per,
+                                                     output_len, Path(tmp), args.timeout))
+        finally:
+            client.close()
     if args.only:
         print(json.dumps(results[args.only], indent=2, default=str))
         return 0
-    summary = report(results, levels)
+    summary = report(results, levels, kv_bytes)
     summary["rounds"] = results
     summary["settings"] = {"input_len": INPUT_LEN, "output_len": output_len, "prompts": prompts_per,
                            "dtype": args.dtype, "vllm_enforce_eager": args.enforce_eager,
-                           "kv_cache_bytes": KV_BYTES, "cores": sorted(os.sched_getaffinity(0))}
+                           "kv_cache_bytes": kv_bytes, "cores": sorted(os.sched_getaffinity(0))}
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2, default=str))
     return 0
