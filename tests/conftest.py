@@ -12,6 +12,12 @@ import pytest
 # how an idle thread waits; set before anything imports torch, and inherited by every service the
 # tests start (their environment is this one's plus their own). A value already set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One intra-op thread per process (the test processes' torch, and every worker the tests start:
+# worker/config.cpu_threads honours OMP_NUM_THREADS): the suite runs two test processes and their
+# services at once on two cores, where a two-thread parallel region waits at its barrier for a
+# thread that another process has preempted (a decode step measured 14 ms alone, up to 230 ms so).
+# Thread counts change no token here (the oracles' comparisons hold at any count).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

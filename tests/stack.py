@@ -232,15 +232,22 @@ def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
                                               "--metrics-port", str(control_metrics), *worker_args,
                                               *control_flags],
                                   tmp / f"control-{control_port}.log").start(env))
+    # The gateway starts beside the workers, as under `ttserve up`: it imports vLLM while they
+    # warm up and waits for the control plane (its --connect-timeout and --ready-timeout default
+    # to no limit); /ready then means it holds a session with a ready control plane.
+    if gateway:
+        http_port = free_port()
+        stack.http_url = f"http://127.0.0.1:{http_port}"
+        stack.services.append(Service("gateway", ["ttserve.gateway", "--port", str(http_port), "--control",
+                                                  stack.control_address, *gateway_flags],
+                                      tmp / f"gateway-{http_port}.log").start(env))
     try:
         wait_until(lambda: control_ready(stack.control_address), 300, "the control plane to be ready", stack)
         if gateway:
-            http_port = free_port()
-            stack.http_url = f"http://127.0.0.1:{http_port}"
-            stack.services.append(Service("gateway", ["ttserve.gateway", "--port", str(http_port), "--control",
-                                                      stack.control_address, *gateway_flags],
-                                          tmp / f"gateway-{http_port}.log").start(env))
-            wait_until(lambda: http_ok(f"{stack.http_url}/health"), 300, "the gateway", stack)
+            # A keyed gateway's /ready wants a key this helper does not hold: its caller waits for
+            # /ready with one (test_e2e_key_limits.py); /health answers from the start.
+            keyed = {"--api-key", "--api-key-file"} & set(gateway_flags)
+            wait_until(lambda: http_ok(f"{stack.http_url}/{'health' if keyed else 'ready'}"), 300, "the gateway", stack)
     except BaseException:
         stack.stop()
         raise

@@ -52,12 +52,14 @@ def chat(base_url: str, ca: Path, api_key: str) -> str:
     import httpx
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120,
-                           http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(ca))))
-    model = client.models.list().data[0].id
-    reply = client.chat.completions.create(
-        model=model, max_tokens=12, temperature=0,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    # Closed on the way out: an idle keep-alive TLS connection left open holds the gateway's stop
+    # for its whole uvicorn timeout_graceful_shutdown (5 s) at the later `down` / `systemctl stop`.
+    with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120,
+                       http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(ca)))) as client:
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model, max_tokens=12, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
     return reply.choices[0].message.content
 
 

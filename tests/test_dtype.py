@@ -51,6 +51,10 @@ def test_worker_dtype_flag_takes_vllms_names_and_defaults_to_auto():
 
 def test_threads_default_to_the_cores_this_process_may_run_on(monkeypatch):
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {3}, raising=False)
-    assert config.cpu_threads() == 1
+    assert config.cpu_threads({}) == 1
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5}, raising=False)
-    assert config.cpu_threads() == 4
+    assert config.cpu_threads({}) == 4
+    # OMP_NUM_THREADS, as torch honours it, when it is a positive count; anything else is ignored.
+    assert config.cpu_threads({"OMP_NUM_THREADS": "2"}) == 2
+    for ignored in ("", "0", "four", "-1"):
+        assert config.cpu_threads({"OMP_NUM_THREADS": ignored}) == 4

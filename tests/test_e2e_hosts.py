@@ -23,6 +23,9 @@ pytestmark = pytest.mark.e2e
 
 WORKER_FLAGS = ("--dtype", "float32", "--num-threads", "1")  # fp32: the greedy oracle holds (test_e2e_migration.py)
 LOAD = Path(__file__).parent / "steady_load.py"
+# Each request runs over many steps (the partitioned worker holds some mid-stream), and the
+# load's phases pass quickly.
+MAX_TOKENS = 16
 
 
 class Hosts:
@@ -83,7 +86,8 @@ def test_a_partitioned_worker_loses_nothing_and_is_taken_back_once_healed(tmp_pa
         control = hosts.certs["control"]
         load = host_process.start(net, "control", "load", [
             sys.executable, str(LOAD), "--control", "127.0.0.1:50051", "--stop-file", str(stop),
-            "--report", str(status), "--tls", str(control.cert), str(control.key), str(hosts.ca)],
+            "--max-tokens", str(MAX_TOKENS), "--report", str(status),
+            "--tls", str(control.cert), str(control.key), str(hosts.ca)],
             os.environ, cwd=tmp_path, log_dir=tmp_path, privileged=True).proc
         try:
             wait_until(lambda: len(report(status).get("placements", [])) == 2 and report(status)["finished"] >= 4,

@@ -3,6 +3,7 @@ Ctrl-C cuts that drain short."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ pytestmark = pytest.mark.e2e
 # independent of how busy the host is: 60 tokens take ~4 s, 1000 over a minute.
 SIM_WORKER = ("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b")
 SHORT_TOKENS, LONG_TOKENS = 60, 1000
+# The stream the worker is killed under: ~1.2 s of tokens left after its first, far more than the
+# moment the kill takes, so it is in flight when the worker dies (the test checks it moved).
+RESTART_TOKENS = 20
 
 
 def start_up(tmp_path, model) -> tuple[subprocess.Popen, str, object]:
@@ -69,39 +73,47 @@ def finish(chunks, timeout: float = 60) -> tuple[list[str], int]:
     return reasons, usage[-1].completion_tokens if usage else 0
 
 
-def test_ctrl_c_drains_the_streams_in_flight_and_a_second_one_aborts_the_rest(tmp_path, smollm2):
-    proc, url, log_path = start_up(tmp_path, smollm2)
+@pytest.fixture(scope="module")
+def up(tmp_path_factory, smollm2):
+    """One `ttserve up` for the module's tests, ready: the restart test leaves it serving, and the
+    Ctrl-C test, last, stops it. (process, gateway URL, log path)"""
+    proc, url, log_path = start_up(tmp_path_factory.mktemp("up"), smollm2)
     try:
         wait_until(lambda: http_ok(f"{url}/ready"), 300, "ttserve up")
-        short = start_stream(url, smollm2.name, SHORT_TOKENS)
-        long = start_stream(url, smollm2.name, LONG_TOKENS)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert finish(short) == (["length"], SHORT_TOKENS), log_path.read_text()[-4000:]
-        assert proc.poll() is None  # still draining the long stream
-        os.killpg(proc.pid, signal.SIGINT)
-        reasons, tokens = finish(long)
-        assert reasons == ["abort"] and tokens < LONG_TOKENS, log_path.read_text()[-4000:]
-        assert proc.wait(timeout=60) == 0, log_path.read_text()[-4000:]
-        assert "Traceback" not in log_path.read_text()
+        yield proc, url, log_path
     finally:
         stop_up(proc)
 
 
-def test_up_restarts_a_killed_worker_and_the_stream_in_flight_completes(tmp_path, smollm2):
+def test_up_restarts_a_killed_worker_and_the_stream_in_flight_completes(up, smollm2):
     """As an operator's SIGKILL (or a crash) would: the worker dies under a streaming request, up
     restarts it, the control plane moves the request onto it, and the HTTP client sees a pause."""
-    proc, url, log_path = start_up(tmp_path, smollm2)
-    try:
-        wait_until(lambda: http_ok(f"{url}/ready"), 300, "ttserve up")
-        stream = start_stream(url, smollm2.name, SHORT_TOKENS)
-        worker = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "ttserve.worker"], capture_output=True,
-                                text=True).stdout.split()
-        assert len(worker) == 1, worker
-        os.kill(int(worker[0]), signal.SIGKILL)
-        reasons, tokens = finish(stream, timeout=120)
-        output = log_path.read_text()
-        assert (reasons, tokens) == (["length"], SHORT_TOKENS), output[-4000:]
-        assert "worker exited with code -9; restarting it in 1 s" in output and "worker restarted" in output
-        assert proc.poll() is None  # the stack stayed up
-    finally:
-        stop_up(proc)
+    proc, url, log_path = up
+    stream = start_stream(url, smollm2.name, RESTART_TOKENS)
+    worker = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "ttserve.worker"], capture_output=True,
+                            text=True).stdout.split()
+    assert len(worker) == 1, worker
+    os.kill(int(worker[0]), signal.SIGKILL)
+    reasons, tokens = finish(stream, timeout=120)
+    output = log_path.read_text()
+    assert (reasons, tokens) == (["length"], RESTART_TOKENS), output[-4000:]
+    assert "worker exited with code -9; restarting it in 1 s" in output and "worker restarted" in output
+    # It was in flight on the killed worker: it finished on the restarted one, moved once.
+    assert re.search(rf"request_finished .* generated_tokens={RESTART_TOKENS} .* migrations=1 ", output), \
+        output[-4000:]
+    assert proc.poll() is None  # the stack stayed up
+    wait_until(lambda: http_ok(f"{url}/ready"), 60, "ttserve up to be ready again")
+
+
+def test_ctrl_c_drains_the_streams_in_flight_and_a_second_one_aborts_the_rest(up, smollm2):
+    proc, url, log_path = up
+    short = start_stream(url, smollm2.name, SHORT_TOKENS)
+    long = start_stream(url, smollm2.name, LONG_TOKENS)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert finish(short) == (["length"], SHORT_TOKENS), log_path.read_text()[-4000:]
+    assert proc.poll() is None  # still draining the long stream
+    os.killpg(proc.pid, signal.SIGINT)
+    reasons, tokens = finish(long)
+    assert reasons == ["abort"] and tokens < LONG_TOKENS, log_path.read_text()[-4000:]
+    assert proc.wait(timeout=60) == 0, log_path.read_text()[-4000:]
+    assert "Traceback" not in log_path.read_text()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 from ttserve.tls import Tls, TlsConfigError, grpc_server_tls
 from ttserve.exit_status import CONFIG_REFUSED
@@ -20,9 +21,13 @@ log = logging.getLogger("ttserve.worker")
 SPIN_COUNT = 10_000
 
 
-def cpu_threads() -> int:
-    """One intra-op thread per core this process may run on: torch's default counts every core
-    of the host, and a worker pinned (taskset, cgroup cpuset) to fewer would oversubscribe them."""
+def cpu_threads(env: Mapping[str, str] = os.environ) -> int:
+    """OMP_NUM_THREADS when it is set to a positive count (as torch itself honours it), else one
+    intra-op thread per core this process may run on: torch's default counts every core of the
+    host, and a worker pinned (taskset, cgroup cpuset) to fewer would oversubscribe them."""
+    given = env.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
@@ -54,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--additional-config", default=None,
                    help='device options, e.g. \'{"tt": {"trace_mode": "all"}}\'')
     g.add_argument("--num-threads", type=int, default=0, metavar="N",
-                   help="torch CPU threads for the model (0: one per core this process may run "
-                        "on, os.sched_getaffinity); give each of several workers on one host its "
+                   help="torch CPU threads for the model (0: OMP_NUM_THREADS if set, else one per "
+                        "core this process may run on, os.sched_getaffinity); give each of several workers on one host its "
                         "share of the cores")
     g.add_argument("--metrics-port", type=int, default=9402,
                    help="HTTP port of /metrics, /health and /ready on --metrics-host (0: none)")
