@@ -13,7 +13,7 @@ import pytest
 # tests start (their environment is this one's plus their own). A value already set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # One intra-op thread per process (the test processes' torch, and every worker the tests start:
-# worker/config.cpu_threads honours OMP_NUM_THREADS): the suite runs two test processes and their
+# worker/config.cpu_threads honours OMP_NUM_THREADS): the suite runs several test processes and their
 # services at once on two cores, where a two-thread parallel region waits at its barrier for a
 # thread that another process has preempted (a decode step measured 14 ms alone, up to 230 ms so).
 # Thread counts change no token here (the oracles' comparisons hold at any count).
@@ -105,7 +105,7 @@ def single_torch_thread():
     torch.set_num_threads(before)
 
 
-# ---- pytest-xdist (`make test` and `make unit` run `-n 2`; pyproject.toml sets --dist loadfile) --
+# ---- pytest-xdist (`make test` and `make unit` run `-n 3`; pyproject.toml sets --dist loadfile) --
 # A worker takes whole files: a module's stack (a module-scoped fixture) starts once, and a
 # module's tests run in their order on one worker. The exception is the benchmarks' file: each
 # of its tests runs one benchmark script in a process of its own and shares nothing, so each is
