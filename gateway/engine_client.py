@@ -158,6 +158,10 @@ class GrpcEngineCoreClient(EngineCoreClient):
 
     # What an HTTP client is told instead: internal addresses are the operator's.
     UNREACHABLE_FOR_CLIENTS = "the control plane is unreachable; retry later"
+    # What a client whose request was in flight hears when the session breaks (no address: the
+    # operator's log names it).
+    LOST_FOR_CLIENTS = ("the gateway lost its session with the control plane while this request was in "
+                        "flight; the request was not completed, retry it")
 
     async def wait_connected(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -225,6 +229,9 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._verdicts.clear()
         lost = [rid for rid in self._tracks]
         self._tracks.clear()
+        if not shutting_down:
+            for rid in lost:  # the client's error says what happened instead of vLLM's bare 500
+                self.failure_reasons.record(rid, self.LOST_FOR_CLIENTS)
         if lost:
             self._outputs.put_nowait(EngineCoreOutputs(
                 outputs=[convert.finished_output(rid, FinishReason.ERROR) for rid in lost],

@@ -162,3 +162,27 @@ def test_the_http_client_of_a_request_that_cannot_migrate_gets_the_cause(tmp_pat
         assert "Internal server error" not in str(e.value)
     finally:
         stack.stop()
+
+
+def test_the_http_client_of_a_request_whose_control_plane_dies_gets_the_cause(tmp_path, smollm2):
+    # Until the gateway resumes requests on a restarted control plane (issue 24), a request in
+    # flight when its control plane dies fails; its client hears why, not a bare 500.
+    import openai
+
+    stack = start_stack(tmp_path, str(smollm2), worker_flags=("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b"))
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+        chunks = iter(client.completions.create(model=smollm2.name, prompt="Once upon a time", max_tokens=2000,
+                                                stream=True, extra_body={"ignore_eos": True}, timeout=120))
+        assert next(chunks).choices
+        control = next(s for s in stack.services if s.name == "control")
+        control.stop(signal.SIGKILL)
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        assert "lost its session with the control plane" in str(e.value), e.value
+        assert "127.0.0.1" not in str(e.value)
+        assert "Internal server error" not in str(e.value)
+        assert stack.services[-1].alive()  # the gateway serves on, waiting for its control plane
+    finally:
+        stack.stop()
