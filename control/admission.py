@@ -54,6 +54,8 @@ def check_request(request: Request, unsupported: list[str], limits: Limits) -> N
     if bad:
         raise AdmissionError(f"prompt token id {bad[0]} is out of range: the vocabulary has "
                              f"{limits.vocab_size} tokens (ids 0..{limits.vocab_size - 1})")
+    if request.output_token_ids:
+        check_resumption(request, limits.vocab_size)
     temperature, top_p, top_k = request.sampling.temperature, request.sampling.top_p, request.sampling.top_k
     if not (math.isfinite(temperature) and temperature >= 0):
         raise AdmissionError(f"temperature must be a finite number >= 0, got {temperature}")
@@ -69,6 +71,24 @@ def check_request(request: Request, unsupported: list[str], limits: Limits) -> N
     if unsupported:
         raise AdmissionError(f"{', '.join(unsupported)}: not supported by this ttserve release "
                              "yet; remove it from the request")
+
+
+def check_resumption(request: Request, vocab_size: int) -> None:
+    """A resumed request's output so far (engine.proto Resumption) must be one this request could
+    have produced and not ended on: fewer than max_tokens, in the vocabulary, no stop token at a
+    place where it would have stopped the request."""
+    sampling, output = request.sampling, request.output_token_ids
+    if len(output) >= sampling.max_tokens:
+        raise AdmissionError(f"the resumed request already has {len(output)} output tokens, and max_tokens is "
+                             f"{sampling.max_tokens}: nothing is left to generate")
+    for position, token in enumerate(output, start=1):
+        if token >= vocab_size:
+            raise AdmissionError(f"resumed output token id {token} is out of range: the vocabulary has "
+                                 f"{vocab_size} tokens (ids 0..{vocab_size - 1})")
+        stops = token in sampling.stop_token_ids or (not sampling.ignore_eos and token in sampling.eos_token_ids)
+        if stops and position >= sampling.min_tokens:
+            raise AdmissionError(f"resumed output token {position} (id {token}) is a stop token: the request "
+                                 "ended there and cannot resume")
 
 
 def check_request_images(request: Request, limits: Limits) -> None:

@@ -167,8 +167,12 @@ class Engine:
                 raise AdmissionError(f"invalid image inputs: {image_problem}")
         except AdmissionError as e:
             self.metrics.refused.labels("invalid").inc()
+            if request.output_token_ids:
+                self.metrics.resumptions.labels("invalid").inc()
             queue.put_nowait(Admission(request.request_id, Verdict.INVALID_ARGUMENT, str(e)))
             return
+        if request.output_token_ids:
+            self.metrics.resumptions.labels("admitted").inc()
         placed = choose_lane([c for w in ready for c in w.candidates()], request)
         self.requests[request.request_id] = request
         self._ledger.add(request)
@@ -190,8 +194,11 @@ class Engine:
             if self.requests.get(request.request_id) is not request:
                 return  # aborted or failed while compiling
             error = f.exception() if not f.cancelled() else GrammarError("grammar compilation was cancelled")
+            grammar = f.result() if error is None else None
+            if grammar is not None and (refused := _refused_by(grammar, request.output_token_ids)):
+                error = GrammarError(refused)
             if error is None:
-                request.grammar_ready(f.result())  # a migrating one carries it to its next lane
+                request.grammar_ready(grammar)  # a migrating one carries it to its next lane
                 if request not in self._migrating:
                     self.workers[request.worker].wake()
                 log.debug("request %s: %s grammar compiled in %.3f s", request.request_id, spec.kind,
@@ -506,3 +513,12 @@ class Engine:
             request.finish(reason, message, invalid)
             return
         self.workers[request.worker].end(request, reason, message, invalid)
+
+
+def _refused_by(grammar: Grammar, tokens: list[int]) -> str | None:
+    """Feed a resumed request's output so far to its fresh grammar (its invariant: it has
+    consumed exactly the output); why one is refused, or None."""
+    for position, token in enumerate(tokens, start=1):
+        if not grammar.accept(token):
+            return f"resumed output token {position} (id {token}) does not match the structured output ({first_line(grammar.error)})"
+    return None

@@ -114,6 +114,10 @@ class ControlMetrics:
                                   "removed or failed a step inside the model), failed_limit (--migration-limit reached), "
                                   "failed_timeout (no worker ready within --migration-timeout).",
                                   ["outcome"], registry=r)
+        self.resumptions = Counter("ttserve_request_resumptions",
+                                   "Resumed requests (engine.proto Resumption: output another control plane "
+                                   "produced) past the queue's bounds, by outcome: admitted, invalid.",
+                                   ["outcome"], registry=r)
         self.stalls = Counter("ttserve_worker_stalls", "Times a worker was found stalled.",
                               ["worker"], registry=r)
         self.step_failures = Counter("ttserve_step_failures",

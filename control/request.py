@@ -225,6 +225,14 @@ class Request:
         """A step that samples its next token was planned (its result applies with `sampled`)."""
         self.num_in_flight += 1
 
+    def resumed(self, output_token_ids: list[int]) -> None:
+        """It arrives with output another control plane produced and the client already has
+        (AddRequest.resumption): that output is its own, already sent and timed, and prefills
+        with the prompt at its first admission here."""
+        assert not self.output_token_ids and self.status is RequestStatus.WAITING, "resumed only on arrival"
+        self.output_token_ids = list(output_token_ids)
+        self.num_sent_tokens = self.num_timed_tokens = len(self.output_token_ids)
+
     def images_sent(self, count: int) -> None:
         """`count` more of its images travel to its device state with the chunk just planned."""
         self.num_sent_images += count

@@ -46,6 +46,8 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
                       cache_salt=add.cache_salt, tenant=add.tenant, held_bytes=add.ByteSize(),
                       grammar_spec=_grammar_spec(add),
                       images=[ImageInput(m.hash, m.offset, m.length, m) for m in add.mm_inputs])
+    if add.HasField("resumption"):
+        request.resumed(list(add.resumption.output_token_ids))
     if any(m.modality != "image" for m in add.mm_inputs):
         unsupported.append("multimodal inputs other than images")
     return request, unsupported

@@ -64,11 +64,14 @@ class ControlClient:
         self.incoming.put(ConnectionError(ended))
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, eos_token_ids=(2,),
-            structured_output: engine_pb2.StructuredOutput | None = None, **sampling) -> None:
+            structured_output: engine_pb2.StructuredOutput | None = None,
+            resumed_from: list[int] | None = None, **sampling) -> None:
+        """`resumed_from`: the output so far of a request resumed here (engine.proto Resumption)."""
         self._outgoing.put(engine_pb2.ClientMessage(add=engine_pb2.AddRequest(
             request_id=request_id, prompt_token_ids=prompt, eos_token_ids=list(eos_token_ids),
             sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, **sampling),
-            structured_output=structured_output)))
+            structured_output=structured_output,
+            resumption=None if resumed_from is None else engine_pb2.Resumption(output_token_ids=resumed_from))))
 
     def add_request(self, add: engine_pb2.AddRequest) -> None:
         """Send an AddRequest as built by the caller (images, cache salt, any field)."""

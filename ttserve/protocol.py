@@ -17,7 +17,9 @@ import grpc
 #    version-3 control plane would place requests on a worker that has not taken its stream.
 # 5: a failed step (StepResult.error) no longer ends the step stream: the worker drops its device
 #    state and serves on; a version-4 control plane would apply later steps' refusals as faults.
-PROTOCOL_VERSION = 5
+# 6: resumed requests (AddRequest.resumption): a version-5 control plane would start them over
+#    and the client would see their tokens twice.
+PROTOCOL_VERSION = 6
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
 # Every ttserve server and channel: a step's outputs or a long prompt can exceed gRPC's 4 MiB.

@@ -1,0 +1,82 @@
+"""A request resumed on a control plane (engine.proto Resumption: the output another control plane
+produced and the client already has) goes on with exactly the tokens an uninterrupted run makes:
+greedy, seeded, with a grammar; and one that could not have produced that output is refused.
+This is the control plane's half of surviving its own loss (the gateway re-adds its requests so).
+Real worker and control plane processes, SmolLM2 in float32."""
+from __future__ import annotations
+
+import pytest
+
+from stack import metric, start_stack
+from ttserve.control_client import ControlClient, Refused
+from ttserve.v1 import engine_pb2
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = [1, 504, 3458, 282, 260, 1345, 28, 2730, 314]  # any tokens: a fixed text
+MAX_TOKENS = 24
+SENT = 10  # tokens the client had when the first control plane was lost
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm2):
+    s = start_stack(tmp_path_factory.mktemp("resume"), str(smollm2), gateway=False,
+                    worker_flags=("--dtype", "float32"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(stack):
+    c = ControlClient(stack.control_address)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 7}], ids=["greedy", "seeded"])
+def test_a_resumed_request_goes_on_with_the_tokens_of_an_uninterrupted_run(client, stack, sampling):
+    client.add("whole", PROMPT, MAX_TOKENS, eos_token_ids=(), **sampling)
+    whole = client.collect({"whole"})["whole"]
+    assert len(whole.token_ids) == MAX_TOKENS and whole.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    before = metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="admitted") or 0
+    client.add("resumed", PROMPT, MAX_TOKENS, eos_token_ids=(), resumed_from=whole.token_ids[:SENT], **sampling)
+    resumed = client.collect({"resumed"})["resumed"]
+    # Only what the client did not have, counted against the same max_tokens.
+    assert resumed.token_ids == whole.token_ids[SENT:]
+    assert resumed.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    assert metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="admitted") == before + 1
+
+
+def test_a_resumed_request_with_a_grammar_goes_on_within_it(client, smollm2):
+    from tokenizers import Tokenizer
+    import re
+
+    tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    prompt = tokenizer.encode("The answer is").ids
+    grammar = engine_pb2.StructuredOutput(regex="(red|green) [0-9]{2}")
+    client.add("whole", prompt, 16, structured_output=grammar)
+    whole = client.collect({"whole"})["whole"]
+    assert whole.finish_reason == engine_pb2.FINISH_REASON_STOP and len(whole.token_ids) >= 3
+    client.add("resumed", prompt, 16, structured_output=grammar, resumed_from=whole.token_ids[:2])
+    resumed = client.collect({"resumed"})["resumed"]
+    assert resumed.token_ids == whole.token_ids[2:] and resumed.finish_reason == whole.finish_reason
+    assert re.fullmatch("(red|green) [0-9]{2}", tokenizer.decode(whole.token_ids[:2] + resumed.token_ids[:-1]))
+    # Output the grammar never allowed: the request ends with an error naming the token.
+    client.add("off-grammar", prompt, 16, structured_output=grammar, resumed_from=tokenizer.encode(" blue").ids)
+    off = client.collect({"off-grammar"})["off-grammar"]
+    assert off.finish_reason == engine_pb2.FINISH_REASON_ERROR and not off.token_ids
+    assert "resumed output token 1" in off.error and "structured output" in off.error, off.error
+
+
+@pytest.mark.parametrize("resumed_from, max_tokens, eos, expected", [
+    (list(range(100, 108)), 8, (), "nothing is left to generate"),
+    ([100, 2, 101], 8, (2,), "resumed output token 2 (id 2) is a stop token"),
+    ([100, 49152], 8, (), "resumed output token id 49152 is out of range"),
+], ids=["max-tokens-reached", "ended-on-eos", "out-of-vocabulary"])
+def test_a_resumption_no_run_could_have_made_is_refused_with_the_reason(client, stack, resumed_from, max_tokens,
+                                                                        eos, expected):
+    before = metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="invalid") or 0
+    client.add("bad", PROMPT, max_tokens, eos_token_ids=eos, resumed_from=resumed_from)
+    with pytest.raises(Refused, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        client.collect({"bad"})
+    assert metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="invalid") == before + 1
