@@ -105,6 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=_wait_bound, default=0.0, metavar="SECONDS",
                         help="how long to try reaching the control plane at start-up; past it the gateway "
                              "exits with status 1 (default 0: try without limit)")
+    parser.add_argument("--control-migration-limit", type=functools.partial(_whole, minimum=0), default=3,
+                        metavar="N",
+                        help="when the session with the control plane breaks, each request in flight is "
+                             "re-added to it once it is back, as a resumption (prompt + the tokens already "
+                             "streamed), at most N times; 0: such requests fail (default %(default)d)")
+    parser.add_argument("--control-migration-timeout", type=_wait_bound, default=120.0, metavar="SECONDS",
+                        help="how long a request waits for its control plane to be back and ready before "
+                             "it fails; 0: at once (default %(default)g)")
     parser.add_argument("--shutdown-timeout", type=_seconds, default=30, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight requests may take to finish "
                              "before they are aborted; new requests get 503 meanwhile, and a "

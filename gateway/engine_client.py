@@ -52,7 +52,7 @@ from ttserve.gateway.drain import Drain  # noqa: E402
 from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
                                     RequestRefused, record_refusal)
 from ttserve.gateway.generation_errors import FailureReasons  # noqa: E402
-from ttserve.gateway.metrics import CONNECTED, SESSIONS_LOST  # noqa: E402
+from ttserve.gateway.metrics import CONNECTED, RESUMPTIONS, SESSIONS_LOST  # noqa: E402
 from ttserve.gateway.rate_limits import KeyAccount, current_key  # noqa: E402
 from ttserve.gateway.control_channel import open_control_channel  # noqa: E402
 from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version  # noqa: E402
@@ -62,14 +62,21 @@ from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 log = logging.getLogger("ttserve.gateway.engine_client")
 # How long a request waits for the control plane's verdict (it answers without waiting on workers).
 ADMISSION_TIMEOUT_S = 30.0
+# How soon a resumption turned away (the control plane is back but no worker is ready yet) is sent again.
+RESUME_RETRY_S = 0.5
 
 Verdict = engine_pb2.Admission
 
 
 @dataclass(slots=True)
 class _Track(convert.RequestTrack):
-    """A request's track, with the account of the API key that sent it (None without keys)."""
+    """A request's track, with the account of the API key that sent it (None without keys), and
+    what resuming it on a control plane takes: its AddRequest, the tokens streamed so far, and
+    how many times it has resumed."""
     account: KeyAccount | None = field(default=None)
+    add: engine_pb2.AddRequest | None = field(default=None)
+    streamed: list[int] = field(default_factory=list)
+    resumptions: int = 0
 
 
 @dataclass
@@ -104,8 +111,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
     """
 
     def __init__(self, target: str, *, backoff_s: tuple[float, float] = (0.1, 2.0),
-                 tls: Tls = PLAINTEXT) -> None:
+                 tls: Tls = PLAINTEXT, resume_limit: int = 3, resume_timeout_s: float = 120.0) -> None:
+        """`resume_limit`, `resume_timeout_s`: how many times a request in flight when the session
+        breaks is re-added as a resumption, and how long it waits for a ready control plane."""
         self.target = target
+        self.resume_limit, self.resume_timeout_s = resume_limit, resume_timeout_s
         self.resources = _Resources()
         self.engine_ranks_managed = [0]
         # Set by GatewayLLM from vLLM's structured_outputs_config: how the control plane
@@ -123,6 +133,10 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()
         self._tracks: dict[str, _Track] = {}  # sent and not finished
         self._verdicts: dict[str, asyncio.Future[engine_pb2.Admission]] = {}  # awaiting Admission
+        # Requests of a lost session waiting to resume, with the deadline past which they fail;
+        # their tracks stay in _tracks, so their outputs go on where they stopped.
+        self._resuming: dict[str, float] = {}
+        self._resume_retry: asyncio.TimerHandle | None = None
         self._session: _Session | None = None
         self._last_error = "not connected yet"
         self._ever_connected = False
@@ -208,6 +222,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
                  else "connected to", self.target,
                  "" if info.ready else " (not ready: requests get 503 until it is)")
         self._ever_connected = True
+        if self._resuming:
+            self._schedule_resumptions(0.0)
         async for message in session.call:
             kind = message.WhichOneof("kind")
             if kind == "outputs":
@@ -226,12 +242,24 @@ class GrpcEngineCoreClient(EngineCoreClient):
         for future in self._verdicts.values():
             if not future.done():
                 future.set_exception(ControlPlaneUnavailable(self.UNREACHABLE_FOR_CLIENTS))
+        pending = set(self._verdicts)  # not admitted yet: their clients get a 503 to retry
         self._verdicts.clear()
         lost = [rid for rid in self._tracks]
-        self._tracks.clear()
         if not shutting_down:
+            now = time.monotonic()
+            for rid in lost:
+                track = self._tracks[rid]
+                if rid not in pending and track.add is not None and track.resumptions < self.resume_limit \
+                        and self.resume_timeout_s > 0 and rid not in self._resuming:
+                    track.resumptions += 1
+                    self._resuming[rid] = now + self.resume_timeout_s
+            lost = [rid for rid in lost if rid not in self._resuming]
             for rid in lost:  # the client's error says what happened instead of vLLM's bare 500
                 self.failure_reasons.record(rid, self.LOST_FOR_CLIENTS)
+            if self._resuming:
+                self._schedule_resumptions(self.resume_timeout_s)
+        for rid in lost:
+            del self._tracks[rid]
         if lost:
             self._outputs.put_nowait(EngineCoreOutputs(
                 outputs=[convert.finished_output(rid, FinishReason.ERROR) for rid in lost],
@@ -241,13 +269,16 @@ class GrpcEngineCoreClient(EngineCoreClient):
                      self.target, len(lost))
         else:
             SESSIONS_LOST.inc()
-            log.warning("lost the control plane at %s (%s): %d in-flight request(s) failed; "
-                        "reconnecting", self.target, reason, len(lost))
+            log.warning("lost the control plane at %s (%s): %d in-flight request(s) failed, %d wait to "
+                        "resume; reconnecting", self.target, reason, len(lost), len(self._resuming))
         return True
 
     # ---- inbound -------------------------------------------------------------------------
     def _on_admission(self, admission: engine_pb2.Admission) -> None:
         future = self._verdicts.pop(admission.request_id, None)
+        if future is None and admission.request_id in self._tracks:
+            self._on_resumed(admission)
+            return
         if future is None:
             log.debug("admission for unknown request %s ignored", admission.request_id)
             return
@@ -266,6 +297,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
                 continue  # aborted here, or not ours
             if track.account is not None:
                 track.account.count_tokens(len(out.new_token_ids), "generation")
+            track.streamed += out.new_token_ids
             output = convert.to_engine_core_output(out, track)
             if output is None:
                 continue
@@ -284,6 +316,62 @@ class GrpcEngineCoreClient(EngineCoreClient):
             outputs.append(output)
         if outputs:
             self._outputs.put_nowait(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
+
+    # ---- resumption ----------------------------------------------------------------------
+    def _schedule_resumptions(self, delay_s: float) -> None:
+        if self._resume_retry is not None:
+            self._resume_retry.cancel()
+        self._resume_retry = self._loop.call_later(delay_s, self._send_resumptions)
+
+    def _send_resumptions(self) -> None:
+        """Re-add each waiting request on the current session as a resumption (engine.proto
+        Resumption: the tokens its client has); fail those past their deadline. Runs when a
+        session starts, after a resumption was turned away as unavailable, and at the deadline."""
+        self._resume_retry = None
+        now = time.monotonic()
+        expired = [rid for rid, deadline in self._resuming.items() if deadline <= now]
+        for rid in expired:
+            self._fail_resumption(rid, f"{self.LOST_FOR_CLIENTS} (no control plane was ready within "
+                                       f"{self.resume_timeout_s:g} s)")
+        session = self._session
+        if session is None or not self._resuming:
+            if self._resuming:
+                self._schedule_resumptions(min(self._resuming.values()) - now)
+            return
+        for rid in list(self._resuming):
+            track = self._tracks[rid]
+            assert track.add is not None
+            add = engine_pb2.AddRequest()
+            add.CopyFrom(track.add)
+            add.resumption.output_token_ids[:] = track.streamed
+            session.send(engine_pb2.ClientMessage(add=add))
+        log.info("resuming %d request(s) on the control plane at %s", len(self._resuming), self.target)
+
+    def _on_resumed(self, admission: engine_pb2.Admission) -> None:
+        """The verdict on a resumption: admitted, turned away for now (no worker ready yet:
+        retried within its deadline), or refused (the request fails with the reason)."""
+        rid = admission.request_id
+        if rid not in self._resuming:
+            return
+        if admission.verdict == Verdict.VERDICT_ACCEPTED:
+            del self._resuming[rid]
+            RESUMPTIONS.labels("resumed").inc()
+            return
+        retry = admission.verdict in (Verdict.VERDICT_UNAVAILABLE, Verdict.VERDICT_OVERLOADED)
+        if retry and time.monotonic() < self._resuming[rid]:
+            self._schedule_resumptions(RESUME_RETRY_S)
+            return
+        self._fail_resumption(rid, f"{self.LOST_FOR_CLIENTS} (the control plane refused to resume it: "
+                                   f"{admission.message or 'no reason given'})")
+
+    def _fail_resumption(self, rid: str, message: str) -> None:
+        del self._resuming[rid]
+        self._tracks.pop(rid, None)
+        RESUMPTIONS.labels("failed").inc()
+        log.warning("request %s: %s", rid, message)
+        self.failure_reasons.record(rid, message)
+        self._outputs.put_nowait(EngineCoreOutputs(outputs=[convert.finished_output(rid, FinishReason.ERROR)],
+                                                   timestamp=time.monotonic()))
 
     # ---- EngineCoreClient ----------------------------------------------------------------
     async def get_output_async(self) -> EngineCoreOutputs:
@@ -315,7 +403,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
         future: asyncio.Future[engine_pb2.Admission] = self._loop.create_future()
         self._verdicts[request_id] = future
         track = self._tracks[request_id] = _Track.of(request)
-        track.account = account
+        track.account, track.add = account, message.add
         session.send(message)
         try:
             # The control plane answers at once (admission never waits on a device): no verdict
@@ -355,6 +443,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
             return
         for request_id in request_ids:
             self._tracks.pop(request_id, None)
+            self._resuming.pop(request_id, None)
         # With no session there is nothing to abort: a closed session aborts all its requests.
         if self._session is not None:
             self._session.send(engine_pb2.ClientMessage(

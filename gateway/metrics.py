@@ -29,8 +29,13 @@ GCCollector(registry=REGISTRY)
 CONNECTED = Gauge("ttserve_gateway_control_plane_connected",
                   "1 while the gateway holds a session with the control plane", registry=REGISTRY)
 SESSIONS_LOST = Counter("ttserve_gateway_control_plane_sessions_lost",
-                        "Sessions with the control plane that broke (in-flight requests failed)",
+                        "Sessions with the control plane that broke (in-flight requests resume or fail)",
                         registry=REGISTRY)
+RESUMPTIONS = Counter("ttserve_gateway_request_resumptions",
+                      "Requests in flight on a lost session with the control plane, by outcome: resumed "
+                      "(re-added with the tokens streamed so far, and admitted), failed (refused, or no "
+                      "control plane ready within --control-migration-timeout)",
+                      ["outcome"], registry=REGISTRY)
 REFUSED = Counter("ttserve_gateway_refused_requests",
                   "Requests refused before generation: invalid (400) or unavailable (503)",
                   ["status"], registry=REGISTRY)

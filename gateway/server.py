@@ -450,7 +450,8 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
     target = args.control
     llm = None
     try:
-        core_client = GrpcEngineCoreClient(target, tls=args.tls)
+        core_client = GrpcEngineCoreClient(target, tls=args.tls, resume_limit=args.control_migration_limit,
+                                           resume_timeout_s=args.control_migration_timeout)
         llm = GatewayLLM(vllm_config, core_client, log_stats=not vllm_args.disable_log_stats,
                          log_requests=vllm_args.enable_log_requests)
         if not await core_client.wait_connected(timeout=SESSION_TIMEOUT_S):

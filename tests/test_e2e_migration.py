@@ -164,12 +164,18 @@ def test_the_http_client_of_a_request_that_cannot_migrate_gets_the_cause(tmp_pat
         stack.stop()
 
 
-def test_the_http_client_of_a_request_whose_control_plane_dies_gets_the_cause(tmp_path, smollm2):
-    # Until the gateway resumes requests on a restarted control plane (issue 24), a request in
-    # flight when its control plane dies fails; its client hears why, not a bare 500.
+@pytest.mark.parametrize("gateway_flags, cause", [
+    (("--control-migration-limit", "0"), ""),
+    (("--control-migration-timeout", "2"), "(no control plane was ready within 2 s)"),
+], ids=["no-resumption", "none-ready-in-time"])
+def test_the_http_client_of_a_request_whose_control_plane_dies_gets_the_cause(tmp_path, smollm2, gateway_flags,
+                                                                               cause):
+    # A request in flight when its control plane dies and does not come back (or may not be
+    # resumed) fails; its client hears why, not a bare 500 (tests/test_e2e_resumption.py: resumed).
     import openai
 
-    stack = start_stack(tmp_path, str(smollm2), worker_flags=("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b"))
+    stack = start_stack(tmp_path, str(smollm2), worker_flags=("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b"),
+                        gateway_flags=gateway_flags)
     try:
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
         chunks = iter(client.completions.create(model=smollm2.name, prompt="Once upon a time", max_tokens=2000,
@@ -180,7 +186,7 @@ def test_the_http_client_of_a_request_whose_control_plane_dies_gets_the_cause(tm
         with pytest.raises(openai.APIError) as e:
             for _ in chunks:
                 pass
-        assert "lost its session with the control plane" in str(e.value), e.value
+        assert "lost its session with the control plane" in str(e.value) and cause in str(e.value), e.value
         assert "127.0.0.1" not in str(e.value)
         assert "Internal server error" not in str(e.value)
         assert stack.services[-1].alive()  # the gateway serves on, waiting for its control plane
