@@ -519,6 +519,8 @@ def _refused_by(grammar: Grammar, tokens: list[int]) -> str | None:
     """Feed a resumed request's output so far to its fresh grammar (its invariant: it has
     consumed exactly the output); why one is refused, or None."""
     for position, token in enumerate(tokens, start=1):
+        if grammar.is_complete:  # what follows (EOS under ignore_eos) is not fed, as in Scheduler._advance_grammar
+            break
         if not grammar.accept(token):
             return f"resumed output token {position} (id {token}) does not match the structured output ({first_line(grammar.error)})"
     return None

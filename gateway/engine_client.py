@@ -136,6 +136,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
         # Requests of a lost session waiting to resume, with the deadline past which they fail;
         # their tracks stay in _tracks, so their outputs go on where they stopped.
         self._resuming: dict[str, float] = {}
+        self._awaiting_verdict: set[str] = set()  # of those, sent on this session, no verdict yet
         self._resume_retry: asyncio.TimerHandle | None = None
         self._session: _Session | None = None
         self._last_error = "not connected yet"
@@ -235,6 +236,9 @@ class GrpcEngineCoreClient(EngineCoreClient):
         """Fail everything in flight on the lost session; returns whether one was lost."""
         self._last_error = reason
         session, self._session = self._session, None
+        self._awaiting_verdict.clear()
+        if shutting_down:
+            self._end_resumptions()
         if session is None:
             return False
         session.close()
@@ -257,7 +261,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
             for rid in lost:  # the client's error says what happened instead of vLLM's bare 500
                 self.failure_reasons.record(rid, self.LOST_FOR_CLIENTS)
             if self._resuming:
-                self._schedule_resumptions(self.resume_timeout_s)
+                self._schedule_resumptions(min(self._resuming.values()) - now)
         for rid in lost:
             del self._tracks[rid]
         if lost:
@@ -334,23 +338,28 @@ class GrpcEngineCoreClient(EngineCoreClient):
             self._fail_resumption(rid, f"{self.LOST_FOR_CLIENTS} (no control plane was ready within "
                                        f"{self.resume_timeout_s:g} s)")
         session = self._session
-        if session is None or not self._resuming:
-            if self._resuming:
-                self._schedule_resumptions(min(self._resuming.values()) - now)
-            return
-        for rid in list(self._resuming):
-            track = self._tracks[rid]
-            assert track.add is not None
+        sent = 0
+        for rid in [rid for rid in self._resuming if rid not in self._awaiting_verdict] if session else []:
+            track = self._tracks.get(rid)
+            if track is None or track.add is None:  # its client went away meanwhile
+                del self._resuming[rid]
+                continue
             add = engine_pb2.AddRequest()
             add.CopyFrom(track.add)
             add.resumption.output_token_ids[:] = track.streamed
             session.send(engine_pb2.ClientMessage(add=add))
-        log.info("resuming %d request(s) on the control plane at %s", len(self._resuming), self.target)
+            self._awaiting_verdict.add(rid)
+            sent += 1
+        if sent:
+            log.info("resuming %d request(s) on the control plane at %s", sent, self.target)
+        if self._resuming:  # the deadline holds while a verdict is awaited too
+            self._schedule_resumptions(min(self._resuming.values()) - now)
 
     def _on_resumed(self, admission: engine_pb2.Admission) -> None:
         """The verdict on a resumption: admitted, turned away for now (no worker ready yet:
         retried within its deadline), or refused (the request fails with the reason)."""
         rid = admission.request_id
+        self._awaiting_verdict.discard(rid)
         if rid not in self._resuming:
             return
         if admission.verdict == Verdict.VERDICT_ACCEPTED:
@@ -366,12 +375,24 @@ class GrpcEngineCoreClient(EngineCoreClient):
 
     def _fail_resumption(self, rid: str, message: str) -> None:
         del self._resuming[rid]
-        self._tracks.pop(rid, None)
+        if rid in self._awaiting_verdict and self._session is not None:  # admitted later, it would run for nobody
+            self._session.send(engine_pb2.ClientMessage(abort=engine_pb2.AbortRequests(request_ids=[rid])))
+        self._awaiting_verdict.discard(rid)
+        if self._tracks.pop(rid, None) is None:
+            return
         RESUMPTIONS.labels("failed").inc()
         log.warning("request %s: %s", rid, message)
         self.failure_reasons.record(rid, message)
         self._outputs.put_nowait(EngineCoreOutputs(outputs=[convert.finished_output(rid, FinishReason.ERROR)],
                                                    timestamp=time.monotonic()))
+
+    def _end_resumptions(self) -> None:
+        """The gateway shuts down: no request waits to resume any more."""
+        if self._resume_retry is not None:
+            self._resume_retry.cancel()
+            self._resume_retry = None
+        for rid in list(self._resuming):
+            self._fail_resumption(rid, "the gateway shut down while this request waited for its control plane")
 
     # ---- EngineCoreClient ----------------------------------------------------------------
     async def get_output_async(self) -> EngineCoreOutputs:
@@ -403,7 +424,9 @@ class GrpcEngineCoreClient(EngineCoreClient):
         future: asyncio.Future[engine_pb2.Admission] = self._loop.create_future()
         self._verdicts[request_id] = future
         track = self._tracks[request_id] = _Track.of(request)
-        track.account, track.add = account, message.add
+        track.account = account
+        if self.resume_limit > 0:  # held for its life only where it may resume
+            track.add = message.add
         session.send(message)
         try:
             # The control plane answers at once (admission never waits on a device): no verdict
@@ -411,6 +434,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
             admission = await asyncio.wait_for(future, ADMISSION_TIMEOUT_S)
         except (asyncio.CancelledError, TimeoutError) as e:  # the HTTP client went away, or no verdict
             self._verdicts.pop(request_id, None)
+            self._resuming.pop(request_id, None)  # the verdict came, then the session broke
             if self._tracks.pop(request_id, None) is not None and session is self._session:
                 session.send(engine_pb2.ClientMessage(
                     abort=engine_pb2.AbortRequests(request_ids=[request_id])))

@@ -224,3 +224,28 @@ def test_every_kind_of_request_resumes_through_a_restarted_control_plane(tmp_pat
         assert metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="admitted") >= 1
     finally:
         stack.stop()
+
+
+def test_a_gateway_stopped_while_its_requests_wait_to_resume_ends_them_and_exits_0(tmp_path, smollm2):
+    import openai
+
+    stack = start_stack(tmp_path, str(smollm2), worker_flags=("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b"),
+                        gateway_flags=("--shutdown-timeout", "1"))
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+        chunks = iter(client.completions.create(model=smollm2.name, prompt="Once upon a time", max_tokens=2000,
+                                                stream=True, extra_body={"ignore_eos": True}, timeout=60))
+        assert next(chunks).choices
+        stack.services[1].stop(signal.SIGKILL)  # gone for good: the request waits to resume
+        gateway = stack.services[-1]
+        gateway.proc.send_signal(signal.SIGTERM)
+        ended = []
+        try:
+            for chunk in chunks:
+                ended += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        except openai.APIError as e:
+            ended.append(f"error: {e}")
+        assert ended, "the stream ended without a finish reason or an error"
+        assert gateway.proc.wait(timeout=30) == 0, gateway.output()[-3000:]
+    finally:
+        stack.stop()
