@@ -164,7 +164,7 @@ class ControlMetrics:
         self.request_success.labels(request.finish_reason.value).inc()
         self.e2e.observe(now - request.received_time)
         self.request_prompt_tokens.observe(request.num_prompt_tokens)
-        generated = len(request.output_token_ids)
+        generated = len(request.output_token_ids) - request.num_resumed_tokens  # its time here
         self.request_generation_tokens.observe(generated)
         if request.first_token_time is not None and request.last_token_time is not None:
             decode_s = request.last_token_time - request.first_token_time

@@ -148,6 +148,8 @@ class Request:
     last_token_time: float | None = None
     previous_token_time: float | None = None  # the arrival before the last (None: the last was the first)
     num_timed_tokens: int = 0                # output tokens whose arrival is recorded
+    # Output tokens it arrived with (resumed): produced elsewhere, so not counted as generated here.
+    num_resumed_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -231,7 +233,7 @@ class Request:
         with the prompt at its first admission here."""
         assert not self.output_token_ids and self.status is RequestStatus.WAITING, "resumed only on arrival"
         self.output_token_ids = list(output_token_ids)
-        self.num_sent_tokens = self.num_timed_tokens = len(self.output_token_ids)
+        self.num_sent_tokens = self.num_timed_tokens = self.num_resumed_tokens = len(self.output_token_ids)
 
     def images_sent(self, count: int) -> None:
         """`count` more of its images travel to its device state with the chunk just planned."""

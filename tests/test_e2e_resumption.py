@@ -41,12 +41,15 @@ def test_a_resumed_request_goes_on_with_the_tokens_of_an_uninterrupted_run(clien
     whole = client.collect({"whole"})["whole"]
     assert len(whole.token_ids) == MAX_TOKENS and whole.finish_reason == engine_pb2.FINISH_REASON_LENGTH
     before = metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="admitted") or 0
+    generated = metric(stack.control_metrics_url, "ttserve_request_generation_tokens_sum")
     client.add("resumed", PROMPT, MAX_TOKENS, eos_token_ids=(), resumed_from=whole.token_ids[:SENT], **sampling)
     resumed = client.collect({"resumed"})["resumed"]
     # Only what the client did not have, counted against the same max_tokens.
     assert resumed.token_ids == whole.token_ids[SENT:]
     assert resumed.finish_reason == engine_pb2.FINISH_REASON_LENGTH
     assert metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="admitted") == before + 1
+    # The request's metrics count what it generated here, not the tokens it arrived with.
+    assert metric(stack.control_metrics_url, "ttserve_request_generation_tokens_sum") == generated + MAX_TOKENS - SENT
 
 
 def test_a_resumed_request_with_a_grammar_goes_on_within_it(client, smollm2):
