@@ -230,6 +230,8 @@ def test_every_kind_of_request_resumes_through_a_restarted_control_plane(tmp_pat
 
 
 def test_a_gateway_stopped_while_its_requests_wait_to_resume_ends_them_and_exits_0(tmp_path, smollm2):
+    import time
+
     import openai
 
     stack = start_stack(tmp_path, str(smollm2), worker_flags=("--backend", "sim", "--sim-profile", "t3k-llama-3.3-70b"),
@@ -242,6 +244,7 @@ def test_a_gateway_stopped_while_its_requests_wait_to_resume_ends_them_and_exits
         stack.services[1].stop(signal.SIGKILL)  # gone for good: the request waits to resume
         gateway = stack.services[-1]
         gateway.proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
         ended = []
         try:
             for chunk in chunks:
@@ -249,6 +252,9 @@ def test_a_gateway_stopped_while_its_requests_wait_to_resume_ends_them_and_exits
         except openai.APIError as e:
             ended.append(f"error: {e}")
         assert ended, "the stream ended without a finish reason or an error"
+        # Ended by the gateway's shutdown (--shutdown-timeout 1), not by the client's own timeout
+        # or the 120-s resume deadline.
+        assert time.monotonic() - stopped < 20 and not any("timed out" in str(e) for e in ended), ended
         assert gateway.proc.wait(timeout=30) == 0, gateway.output()[-3000:]
     finally:
         stack.stop()
