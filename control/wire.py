@@ -175,6 +175,11 @@ def warmup_progress_from_pb(p: device_pb2.WarmupProgress, address: str) -> Warmu
                           description_from_pb(p.description, address) if p.done else None)
 
 
+def probe_answer_pb() -> device_pb2.StepBatch:
+    """This control plane is alive: the answer to the worker's probe (StepResult.probe)."""
+    return device_pb2.StepBatch(probe_answer=True)
+
+
 def empty_step_batch_to_pb(step_id: int) -> device_pb2.StepBatch:
     """An empty flush: the worker returns any result it holds (a pipelined decode's)."""
     return device_pb2.StepBatch(step_id=step_id)
@@ -248,6 +253,7 @@ class StepOutcome:
     refused: dict[str, str] = field(default_factory=dict)  # request id -> why the worker dropped it
     error: str = ""         # the step failed inside the model (the worker dropped its device state)
     draining: bool = False  # not a result: the worker's notice that it shuts down
+    probe: bool = False     # not a result: another control plane asks for the worker; answer it
 
 
 def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
@@ -258,4 +264,4 @@ def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
                        total_s=t.total_s, traced=t.traced,
                        sampled_on_device=t.sampled_on_device, logprobs=logprobs,
                        refused={r.request_id: r.message for r in result.refused}, error=result.error,
-                       draining=result.draining)
+                       draining=result.draining, probe=result.probe)

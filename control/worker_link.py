@@ -14,7 +14,7 @@ from ttserve.v1 import device_pb2_grpc
 
 from .lanes import GroupPlan
 from .wire import (StepOutcome, WarmupProgress, WorkerDescription, describe_request_pb, description_from_pb,
-                   empty_step_batch_to_pb, step_batch_to_pb, step_result_from_pb, warmup_progress_from_pb,
+                   empty_step_batch_to_pb, probe_answer_pb, step_batch_to_pb, step_result_from_pb, warmup_progress_from_pb,
                    warmup_request_to_pb)
 
 __all__ = ["StepFailed", "WarmupProgress", "WorkerError", "WorkerLink"]
@@ -52,6 +52,9 @@ class WorkerLink:
         self._results: asyncio.Queue[StepOutcome | WorkerError] = asyncio.Queue()
         self._reader: asyncio.Future | None = None
         self.drain_notice = asyncio.Event()
+        # Steps and probe answers are written from two tasks (the step loop, the reader); gRPC
+        # takes one write at a time on a call.
+        self._write_lock = asyncio.Lock()
 
     async def describe(self, timeout: float = 10.0) -> WorkerDescription:
         try:
@@ -115,11 +118,19 @@ class WorkerLink:
                 if result.draining:
                     log.info("worker %s is shutting down: its requests move", self.address)
                     self.drain_notice.set()
+                elif result.probe:  # another control plane asks for the worker: this one is alive
+                    log.debug("worker %s: another control plane asks for its step stream; this one keeps it",
+                              self.address)
+                    async with self._write_lock:
+                        await stream.write(probe_answer_pb())
                 else:
                     self._results.put_nowait(result)
             self._results.put_nowait(WorkerError(f"worker at {self.address} closed the step stream"))
         except grpc.aio.AioRpcError as e:
             self._results.put_nowait(WorkerError(f"worker at {self.address} failed: {e.details()}"))
+        except Exception as e:  # noqa: BLE001 - the step loop waits on these results: it learns of any fault
+            self._results.put_nowait(WorkerError(f"the step stream with the worker at {self.address} failed: "
+                                                 f"{type(e).__name__}: {e}"))
 
     async def ended(self) -> str:
         """Resolves when the step stream ends on its own (the worker died or went away); lets an
@@ -136,7 +147,8 @@ class WorkerLink:
         batch = (empty_step_batch_to_pb(step_id) if plan is None else
                  step_batch_to_pb(step_id, plan.kind, plan.lanes, max_num_seqs, async_readback))
         try:
-            await self._stream.write(batch)
+            async with self._write_lock:
+                await self._stream.write(batch)
         except grpc.aio.AioRpcError as e:
             self._stream = None
             raise WorkerError(f"worker at {self.address} failed: {e.details()}") from e

@@ -1,4 +1,4 @@
-"""Gateway command line: `python -m ttserve.gateway --control HOST:PORT ...`.
+"""Gateway command line: `python -m ttserve.gateway --control HOST:PORT[,HOST:PORT...] ...`.
 
 Flag names follow `vllm serve`'s. Importing this module is cheap (no vLLM); `run` imports it.
 """
@@ -11,6 +11,7 @@ import ipaddress
 import sys
 
 from ttserve.gateway.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from ttserve.gateway.control_channel import control_targets
 from ttserve.gateway.header_limit import DEFAULT_MAX_HEADER_BYTES
 from ttserve.gateway.media_limits import DEFAULT_MAX_IMAGE_PIXELS
 from ttserve.logs import setup_logging
@@ -59,8 +60,11 @@ def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
-    parser.add_argument("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT",
-                        help="the control plane's gRPC address (default %(default)s)")
+    parser.add_argument("--control", type=control_targets, default=DEFAULT_CONTROL,
+                        metavar="HOST:PORT[,HOST:PORT...]",
+                        help="the control plane's gRPC address, or several, comma-separated: the gateway "
+                             "uses the first that is ready and, when it is lost, fails over to the next "
+                             "ready one, resuming the requests in flight there (default %(default)s)")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="local model folder for config.json and tokenizer files; no weights "
                              "are read (default: the control plane's model_path, which must then "

@@ -54,14 +54,17 @@ from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavaila
 from ttserve.gateway.generation_errors import FailureReasons  # noqa: E402
 from ttserve.gateway.metrics import CONNECTED, RESUMPTIONS, SESSIONS_LOST  # noqa: E402
 from ttserve.gateway.rate_limits import KeyAccount, current_key  # noqa: E402
-from ttserve.gateway.control_channel import open_control_channel  # noqa: E402
-from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version  # noqa: E402
+from ttserve.gateway.control_channel import ControlPlane, ControlPlanes  # noqa: E402
+from ttserve.protocol import CALL_METADATA  # noqa: E402
 from ttserve.tls import PLAINTEXT, Tls  # noqa: E402
 from ttserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("ttserve.gateway.engine_client")
 # How long a request waits for the control plane's verdict (it answers without waiting on workers).
 ADMISSION_TIMEOUT_S = 30.0
+# How long each control plane may take to answer GetServerInfo or GetModelInfo when the gateway
+# chooses one (a hung one is passed over after it).
+ASK_TIMEOUT_S = 2.0
 # How soon a resumption turned away (the control plane is back but no worker is ready yet) is sent again.
 RESUME_RETRY_S = 0.5
 
@@ -110,11 +113,16 @@ class GrpcEngineCoreClient(EngineCoreClient):
     Create it inside the running event loop; it connects (and reconnects) in the background.
     """
 
-    def __init__(self, target: str, *, backoff_s: tuple[float, float] = (0.1, 2.0),
-                 tls: Tls = PLAINTEXT, resume_limit: int = 3, resume_timeout_s: float = 120.0) -> None:
-        """`resume_limit`, `resume_timeout_s`: how many times a request in flight when the session
-        breaks is re-added as a resumption, and how long it waits for a ready control plane."""
-        self.target = target
+    def __init__(self, targets: str | tuple[str, ...], *, backoff_s: tuple[float, float] = (0.1, 2.0),
+                 tls: Tls = PLAINTEXT, model: engine_pb2.ModelInfo | None = None, resume_limit: int = 3,
+                 resume_timeout_s: float = 120.0) -> None:
+        """`targets`: the control planes, in order of preference (control_channel.ControlPlanes).
+        `model`: the model the gateway serves, as the first control plane described it; one
+        that serves another is not used. `resume_limit`, `resume_timeout_s`: how many times a
+        request in flight when the session breaks is re-added as a resumption, and how long it
+        waits for a ready control plane."""
+        self.planes = ControlPlanes((targets,) if isinstance(targets, str) else targets, tls)
+        self._model = model
         self.resume_limit, self.resume_timeout_s = resume_limit, resume_timeout_s
         self.resources = _Resources()
         self.engine_ranks_managed = [0]
@@ -138,11 +146,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._resuming: dict[str, float] = {}
         self._awaiting_verdict: set[str] = set()  # of those, sent on this session, no verdict yet
         self._resume_retry: asyncio.TimerHandle | None = None
+        self._other_model: set[str] = set()  # control planes found serving another model (_check_model)
         self._session: _Session | None = None
+        self._plane: ControlPlane | None = None  # the session's control plane, while there is one
         self._last_error = "not connected yet"
         self._ever_connected = False
-        self._channel = open_control_channel(target, tls)
-        self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._runner = asyncio.create_task(self._run(), name="ttserve-control-session")
 
     # ---- connection ----------------------------------------------------------------------
@@ -167,9 +175,16 @@ class GrpcEngineCoreClient(EngineCoreClient):
         return self._session is not None
 
     @property
+    def target(self) -> str:
+        """The address of the session's control plane; without a session, the first listed."""
+        return (self._plane or self.planes.planes[0]).target
+
+    @property
     def unreachable_message(self) -> str:
         """For the operator (logs, /ready): it names the control plane's address."""
-        return f"control plane at {self.target} is unreachable ({self._last_error})"
+        if len(self.planes.planes) == 1:
+            return f"control plane at {self.target} is unreachable ({self._last_error})"
+        return f"none of {self.planes.describe()} is ready ({self._last_error})"
 
     # What an HTTP client is told instead: internal addresses are the operator's.
     UNREACHABLE_FOR_CLIENTS = "the control plane is unreachable; retry later"
@@ -185,29 +200,32 @@ class GrpcEngineCoreClient(EngineCoreClient):
         return self.connected
 
     async def get_server_info(self, timeout: float) -> engine_pb2.ServerInfo:
-        """The control plane's ServerInfo now (a call of its own, not on the session)."""
-        return await self._stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
+        """The ServerInfo of the session's control plane (else the first listed) now, by a call
+        of its own, not on the session."""
+        plane = self._plane or self.planes.planes[0]
+        return await plane.stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
                                               timeout=timeout)
 
     async def _run(self) -> None:
         delay = self._backoff_s[0]
         while True:
             try:
-                await self._channel.channel_ready()
-                info = await self._stub.GetServerInfo(engine_pb2.ServerInfoRequest(),
-                                                      metadata=CALL_METADATA, timeout=10)
-                check_peer_version(info.protocol_version, f"the control plane at {self.target}")
-                await self._serve_session(info)
-                reason = "the control plane ended the session"
+                answers = await self.planes.ask(timeout=ASK_TIMEOUT_S)
+                for answer in answers:
+                    if answer.refused and answer.why not in self._last_error:
+                        log.error("%s", answer.why)
+                chosen = ControlPlanes.choose([a for a in answers if a.plane.target not in self._other_model])
+                if chosen is None:
+                    reason = "; ".join(a.describe(named=len(answers) > 1) for a in answers)
+                else:
+                    await self._check_model(chosen.plane)
+                    await self._serve_session(chosen.plane, chosen.info)
+                    reason = f"the control plane at {chosen.plane.target} ended the session"
             except asyncio.CancelledError:
                 self._disconnected("the gateway is shutting down", shutting_down=True)
                 raise
             except grpc.aio.AioRpcError as e:
                 reason = f"{e.code().name}: {e.details()}"
-            except ProtocolMismatch as e:
-                reason = str(e)
-                if reason != self._last_error:
-                    log.error("%s", reason)
             except Exception as e:  # keep reconnecting whatever broke; never kill AsyncLLM
                 log.exception("control plane session failed")
                 reason = f"{type(e).__name__}: {e}"
@@ -216,11 +234,28 @@ class GrpcEngineCoreClient(EngineCoreClient):
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._backoff_s[1])
 
-    async def _serve_session(self, info: engine_pb2.ServerInfo) -> None:
-        self._session = session = _Session(self._stub)
+    async def _check_model(self, plane: ControlPlane) -> None:
+        """Refuse (for good: until the gateway restarts) a control plane that serves another
+        model than the one this gateway's frontend was built for: its tokenizer, limits and
+        resumed tokens would not fit. Raises grpc.aio.AioRpcError if it does not answer."""
+        if self._model is None:
+            return
+        info = await plane.stub.GetModelInfo(engine_pb2.ModelInfoRequest(), metadata=CALL_METADATA,
+                                             timeout=ASK_TIMEOUT_S)
+        want = (self._model.architecture, self._model.vocab_size, self._model.max_model_len)
+        if (info.architecture, info.vocab_size, info.max_model_len) != want:
+            self._other_model.add(plane.target)
+            log.error("not using the control plane at %s: it serves %s (vocabulary %d, max_model_len %d) from %s, "
+                      "and this gateway serves %s (vocabulary %d, max_model_len %d) from %s", plane.target,
+                      info.architecture, info.vocab_size, info.max_model_len, info.model_path, *want,
+                      self._model.model_path)
+
+    async def _serve_session(self, plane: ControlPlane, info: engine_pb2.ServerInfo) -> None:
+        self._session = session = _Session(plane.stub)
+        self._plane = plane
         CONNECTED.set(1)
         log.info("%s the control plane at %s%s", "reconnected to" if self._ever_connected
-                 else "connected to", self.target,
+                 else "connected to", plane.target,
                  "" if info.ready else " (not ready: requests get 503 until it is)")
         self._ever_connected = True
         if self._resuming:
@@ -236,6 +271,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
         """Fail everything in flight on the lost session; returns whether one was lost."""
         self._last_error = reason
         session, self._session = self._session, None
+        target = self.target
+        self._plane = None
         self._awaiting_verdict.clear()
         if shutting_down:
             self._end_resumptions()
@@ -270,11 +307,11 @@ class GrpcEngineCoreClient(EngineCoreClient):
                 timestamp=time.monotonic()))
         if shutting_down:
             log.info("closed the session with the control plane at %s (%d request(s) in flight)",
-                     self.target, len(lost))
+                     target, len(lost))
         else:
             SESSIONS_LOST.inc()
             log.warning("lost the control plane at %s (%s): %d in-flight request(s) failed, %d wait to "
-                        "resume; reconnecting", self.target, reason, len(lost), len(self._resuming))
+                        "resume; reconnecting", target, reason, len(lost), len(self._resuming))
         return True
 
     # ---- inbound -------------------------------------------------------------------------
@@ -479,7 +516,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
 
         def close() -> None:
             self._runner.cancel()
-            loop.create_task(self._channel.close())
+            loop.create_task(self.planes.close())
 
         try:
             in_loop = asyncio.get_running_loop() is loop

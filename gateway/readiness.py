@@ -1,6 +1,6 @@
 """`GET /ready`: whether this gateway can serve a request now, and if not, why.
 
-Ready means: the gateway is not draining, it holds a session with the control plane, and the
+Ready means: the gateway is not draining, it holds a session with a control plane, and that
 control plane answers GetServerInfo with `ready` (at least one warmed-up worker) and not
 `draining`. `/health` stays the liveness probe (vLLM's route over GatewayLLM.check_health).
 
@@ -24,7 +24,8 @@ from ttserve.v1 import engine_pb2
 
 class ControlPlane(Protocol):
     """What readiness needs from the gateway's control-plane client (GrpcEngineCoreClient)."""
-    target: str
+    @property
+    def target(self) -> str: ...  # the address of the session's control plane
 
     @property
     def connected(self) -> bool: ...
@@ -71,6 +72,8 @@ class ReadinessProbe:
         """None when ready; otherwise why not."""
         if self.drain.draining:
             return "the gateway is shutting down"
+        if not self.control.connected:  # the client says why (each listed control plane's state)
+            return self.control.unreachable_message
         info = await self._server_info()
         target = self.control.target
         if isinstance(info, str):
@@ -79,8 +82,6 @@ class ReadinessProbe:
             return f"the control plane at {target} is shutting down"
         if not info.ready:
             return f"the control plane at {target} has no ready worker ({describe_workers(info)})"
-        if not self.control.connected:  # reachable again, the session not yet re-established
-            return self.control.unreachable_message
         return None
 
 

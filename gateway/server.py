@@ -29,15 +29,15 @@ from typing import Awaitable, Callable, NoReturn
 
 import grpc
 
-from ttserve.gateway.control_channel import open_control_channel
+from ttserve.gateway.control_channel import ControlPlane, ControlPlanes
 from ttserve.gateway import header_limit, media_limits
 from ttserve.gateway.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from ttserve.gateway.readiness import describe_workers
 from ttserve.gateway.waiting import BACKLOG, WaitingResponder, http_ssl_context
-from ttserve.protocol import CALL_METADATA, ProtocolMismatch, check_peer_version, host_port
+from ttserve.protocol import CALL_METADATA, host_port
 from ttserve.exit_status import CONFIG_REFUSED
-from ttserve.tls import PLAINTEXT, Tls, handshake_hint
-from ttserve.v1 import engine_pb2, engine_pb2_grpc
+from ttserve.tls import PLAINTEXT
+from ttserve.v1 import engine_pb2
 
 log = logging.getLogger("ttserve.gateway")
 
@@ -59,68 +59,63 @@ LOG_EVERY_S = 10.0
 POLL_S = 0.5
 
 
-async def wait_for_control_plane(stub: engine_pb2_grpc.EngineStub, target: str, tls: Tls,
-                                 connect_timeout: float, ready_timeout: float,
-                                 show: Callable[[str], Awaitable[None]]) -> engine_pb2.ServerInfo:
-    """The control plane's ServerInfo once it reports ready. Until then `show` gets why not
+async def wait_for_control_plane(planes: ControlPlanes, connect_timeout: float, ready_timeout: float,
+                                 show: Callable[[str], Awaitable[None]]) -> ControlPlane:
+    """The first listed control plane that reports ready. Until one does, `show` gets why not
     (first when the first answer is not "ready"), and a line is logged every LOG_EVERY_S.
 
-    `connect_timeout` bounds the time until the first answer, `ready_timeout` the time from it
-    to ready (a control plane lost meanwhile is waited for within the same bound); 0: no bound.
-    Past either: StartupError (exit 1, for the supervisor to restart the gateway)."""
+    `connect_timeout` bounds the time until a first answer from any of them, `ready_timeout` the
+    time from it to ready (a control plane lost meanwhile is waited for within the same bound);
+    0: no bound. Past either, or when one refuses this gateway's protocol version: StartupError
+    (exit 1, for the supervisor to restart the gateway)."""
     start = time.monotonic()
-    contacted: float | None = None  # when the control plane first answered
+    contacted: set[str] = set()  # the control planes that answered
+    first_contact: float | None = None
     last_log = start - LOG_EVERY_S  # the first wait is logged at once
     while True:
-        bound, since = (connect_timeout, start) if contacted is None else (ready_timeout, contacted)
+        bound, since = (connect_timeout, start) if first_contact is None else (ready_timeout, first_contact)
         remaining = bound - (time.monotonic() - since) if bound > 0 else 5.0
-        try:
-            info = await stub.GetServerInfo(engine_pb2.ServerInfoRequest(), metadata=CALL_METADATA,
-                                            timeout=max(0.5, min(5.0, remaining)))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the protocol interceptor
-                raise StartupError(f"control plane at {target} refused this gateway: {e.details()}") from None
-            # Any other refusal is waited out too: the peer at that address may change.
-            unreachable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-            why = (f"{'unreachable' if unreachable else 'refusing GetServerInfo'} "
-                   f"({e.code().name}: {e.details()}{handshake_hint(e.details(), tls)})")
-        else:
+        answers = await planes.ask(timeout=max(0.5, min(5.0, remaining)))
+        for answer in answers:
             # Another protocol version is a peer problem (1), but not one waiting can end: only
             # deploying one release on both sides does. Exiting makes it a visible restart loop
             # (systemctl status, CrashLoopBackOff) that picks up the fixed peer by itself,
             # where a gateway waiting on would look merely slow.
-            try:
-                check_peer_version(info.protocol_version, f"the control plane at {target}")
-            except ProtocolMismatch as e:
-                raise StartupError(str(e)) from None
-            if contacted is None:
-                contacted = time.monotonic()
-                log.info("control plane at %s: ttserve %s, protocol %d, %s", target, info.version,
-                         info.protocol_version, describe_workers(info))
-            if info.ready:
-                if time.monotonic() - start > 1:
-                    log.info("control plane at %s is ready after %.0f s", target, time.monotonic() - start)
-                return info
-            why = f"no ready worker ({describe_workers(info)})"
+            if answer.refused:
+                raise StartupError(answer.why)
+            if answer.info is not None and answer.plane.target not in contacted:
+                contacted.add(answer.plane.target)
+                first_contact = first_contact or time.monotonic()
+                log.info("control plane at %s: ttserve %s, protocol %d, %s", answer.plane.target,
+                         answer.info.version, answer.info.protocol_version, describe_workers(answer.info))
+        chosen = next((a for a in answers if a.ready), None)
+        if chosen is not None:
+            if time.monotonic() - start > 1:
+                log.info("control plane at %s is ready after %.0f s", chosen.plane.target,
+                         time.monotonic() - start)
+            return chosen.plane
+        why = "; ".join(a.describe(named=len(answers) > 1) for a in answers)
+        subject = planes.describe()
         now = time.monotonic()
-        if contacted is None and connect_timeout > 0 and now - start >= connect_timeout:
-            raise StartupError(f"control plane at {target} is {why} after {connect_timeout:g} s; "
-                               "see --connect-timeout")
-        if contacted is not None and ready_timeout > 0 and now - contacted >= ready_timeout:
-            raise StartupError(f"control plane at {target} did not become ready within {ready_timeout:g} s: "
-                               f"{why}; see --ready-timeout")
-        await show(f"waiting for the control plane at {target}: {why}")
+        if first_contact is None and connect_timeout > 0 and now - start >= connect_timeout:
+            raise StartupError(f"{subject} is {why} after {connect_timeout:g} s; see --connect-timeout"
+                               if len(answers) == 1 else f"none of {subject} answered within {connect_timeout:g} s: "
+                               f"{why}; see --connect-timeout")
+        if first_contact is not None and ready_timeout > 0 and now - first_contact >= ready_timeout:
+            raise StartupError(f"{subject} did not become ready within {ready_timeout:g} s: {why}; "
+                               "see --ready-timeout")
+        await show(f"waiting for {subject}: {why}")
         if now - last_log >= LOG_EVERY_S:
-            log.info("waiting for the control plane at %s (%.0f s): %s", target, now - start, why)
+            log.info("waiting for %s (%.0f s): %s", subject, now - start, why)
             last_log = now
         await asyncio.sleep(POLL_S)
 
 
-async def fetch_model_info(stub: engine_pb2_grpc.EngineStub, target: str) -> engine_pb2.ModelInfo:
+async def fetch_model_info(plane: ControlPlane) -> engine_pb2.ModelInfo:
     try:
-        return await stub.GetModelInfo(engine_pb2.ModelInfoRequest(), metadata=CALL_METADATA, timeout=10)
+        return await plane.stub.GetModelInfo(engine_pb2.ModelInfoRequest(), metadata=CALL_METADATA, timeout=10)
     except grpc.aio.AioRpcError as e:
-        raise StartupError(f"control plane at {target} did not describe its model: "
+        raise StartupError(f"control plane at {plane.target} did not describe its model: "
                            f"{e.code().name}: {e.details()}") from None
 
 
@@ -325,22 +320,20 @@ def check_vllm_server_args(vllm_args: argparse.Namespace) -> None:
 
 
 async def discover(args: argparse.Namespace,
-                   show: Callable[[str], Awaitable[None]]) -> tuple[str, engine_pb2.ModelInfo]:
-    """Contact the control plane, wait until it is ready; the model folder and its limits."""
-    target = args.control
-    tls = getattr(args, "tls", PLAINTEXT)
-    channel = open_control_channel(target, tls)
+                   show: Callable[[str], Awaitable[None]]) -> tuple[str, engine_pb2.ModelInfo, str]:
+    """Contact the control planes, wait until one is ready; the model folder, its limits and the
+    address of the control plane that described them."""
+    planes = ControlPlanes(args.control, getattr(args, "tls", PLAINTEXT))
     try:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        await wait_for_control_plane(stub, target, tls, args.connect_timeout, args.ready_timeout, show)
-        model_info = await fetch_model_info(stub, target)
+        plane = await wait_for_control_plane(planes, args.connect_timeout, args.ready_timeout, show)
+        model_info = await fetch_model_info(plane)
     finally:
-        await channel.close()
+        await planes.close()
     model = resolve_model_folder(args, model_info)
     log.info("model %s (%s): max_model_len %d, %d blocks x %d tokens, %d lane(s) x %d seqs",
              model, model_info.architecture, model_info.max_model_len, model_info.num_blocks,
              model_info.block_size, model_info.num_lanes, model_info.max_num_seqs)
-    return model, model_info
+    return model, model_info, plane.target
 
 
 def stop_on_signal() -> None:
@@ -366,15 +359,15 @@ async def serve(args: argparse.Namespace) -> int:
     preload = threading.Thread(target=preload_vllm, name="ttserve-preload-vllm", daemon=True)
     preload.start()
     try:
-        model, model_info = await discover(args, waiting.show)
-        waiting.message = f"starting vLLM's frontend for {model} (the control plane at {args.control} is ready)"
+        model, model_info, ready_target = await discover(args, waiting.show)
+        waiting.message = f"starting vLLM's frontend for {model} (the control plane at {ready_target} is ready)"
         # No vLLM import may run on this thread before the preload ends (import lock order).
         await asyncio.to_thread(preload.join)
         patch_vllm(args)  # before vLLM builds its config (it reads the model registry then)
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
         vllm_config = build_vllm_config(vllm_args, model_info)
         check_vllm_server_args(vllm_args)
-        await serve_vllm_app(args, vllm_args, vllm_config, sock, started, waiting.close)
+        await serve_vllm_app(args, vllm_args, vllm_config, model_info, sock, started, waiting.close)
     except asyncio.CancelledError:
         log.info("stopped before serving (SIGTERM/SIGINT)")
     finally:
@@ -431,7 +424,7 @@ def install_middleware(app, api_keys=None, public_metrics: bool = False,
 
 
 async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace, vllm_config,
-                         sock: socket.socket, started: float,
+                         model_info: engine_pb2.ModelInfo, sock: socket.socket, started: float,
                          before_serving: Callable[[], Awaitable[None]]) -> None:
     """vLLM's OpenAI app on a GatewayLLM, served by vLLM's serve_http, until shutdown;
     `before_serving` runs last before serve_http accepts on `sock` (the waiting responder's
@@ -447,10 +440,10 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
     from ttserve.gateway.engine_client import GatewayLLM, GrpcEngineCoreClient
     from ttserve.gateway.errors import quiet_refusal_tracebacks
 
-    target = args.control
     llm = None
     try:
-        core_client = GrpcEngineCoreClient(target, tls=args.tls, resume_limit=args.control_migration_limit,
+        core_client = GrpcEngineCoreClient(args.control, tls=args.tls, model=model_info,
+                                           resume_limit=args.control_migration_limit,
                                            resume_timeout_s=args.control_migration_timeout)
         llm = GatewayLLM(vllm_config, core_client, log_stats=not vllm_args.disable_log_stats,
                          log_requests=vllm_args.enable_log_requests)
@@ -476,9 +469,9 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         if (log_config := get_uvicorn_log_config(vllm_args)) is not None:
             uvicorn_kwargs["log_config"] = log_config
         scheme = "https" if vllm_args.ssl_keyfile and vllm_args.ssl_certfile else "http"
-        log.info("serving %s on %s://%s for the control plane at %s (%s; API %s; vLLM %s frontend; "
+        log.info("serving %s on %s://%s for %s (%s; API %s; vLLM %s frontend; "
                  "started in %.1f s)", ", ".join(vllm_args.served_model_name), scheme,
-                 host_port(args.host, args.port), target, "TLS" if args.tls.calls_tls else "plaintext",
+                 host_port(args.host, args.port), core_client.planes.describe(), "TLS" if args.tls.calls_tls else "plaintext",
                  f"key required ({args.api_keys.describe()})" if args.api_keys else "open (no API key)",
                  vllm_version, time.monotonic() - started)
         await before_serving()

@@ -74,8 +74,9 @@ def _scope(head: bytes) -> Scope | None:
             "root_path": "", "headers": headers}
 
 
-# host:port and [IPv6]:port, as the waiting messages name the control plane and the workers.
-_ADDRESS = re.compile(r"\s*(?:at )?(?:\[[0-9A-Fa-f:.%]+\]|[A-Za-z0-9_.-]+):\d{1,5}\b")
+# host:port and [IPv6]:port, as the waiting messages name the control planes (a list: "at A, B")
+# and the workers.
+_ADDRESS = re.compile(r",?\s*(?:at )?(?:\[[0-9A-Fa-f:.%]+\]|[A-Za-z0-9_.-]+):\d{1,5}\b")
 
 
 def without_addresses(message: str) -> str:

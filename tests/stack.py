@@ -162,6 +162,9 @@ class Stack:
     # http://host:port of the control plane's and each worker's metrics/health server.
     control_metrics_url: str = ""
     worker_metrics_urls: list[str] = field(default_factory=list)
+    # Standby control planes over the same workers (start_stack standby_controls), as
+    # (gRPC address, metrics URL), listed after control_address in the gateway's --control.
+    standbys: list[tuple[str, str]] = field(default_factory=list)
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name} ---\n{s.output()[-4000:]}" for s in self.services)
@@ -212,26 +215,31 @@ def start_worker(tmp: Path, model: str, port: int | None = None, *extra: str,
 
 def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
                 worker_flags: tuple[str, ...] = (), gateway: bool = True, workers: int = 1,
-                gateway_flags: tuple[str, ...] = (),
+                gateway_flags: tuple[str, ...] = (), standby_controls: int = 0,
                 env: dict | None = None) -> Stack:
     """Workers, a control plane and (optionally) a gateway, each its own process; `env`: variables
-    added to every service's environment."""
+    added to every service's environment. `standby_controls`: more control planes over the same
+    workers, started once the first is ready (so that it holds the workers), and listed after it
+    in the gateway's --control."""
     control_port, control_metrics = free_port(), free_port()
     worker_ports = [free_port() for _ in range(workers)]
     worker_metrics = [free_port() for _ in range(workers)]
     stack = Stack(control_address=f"127.0.0.1:{control_port}",
                   worker_address=f"127.0.0.1:{worker_ports[0]}",
                   control_metrics_url=f"http://127.0.0.1:{control_metrics}",
-                  worker_metrics_urls=[f"http://127.0.0.1:{p}" for p in worker_metrics])
+                  worker_metrics_urls=[f"http://127.0.0.1:{p}" for p in worker_metrics],
+                  standbys=[(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}")
+                            for _ in range(standby_controls)])
     for port, metrics in zip(worker_ports, worker_metrics):
         stack.services.append(start_worker(tmp, model, port, "--metrics-port", str(metrics),
                                            *worker_flags, env=env))
     # Named by position: the `worker` label the tests' metric queries use.
     worker_args = [arg for i, port in enumerate(worker_ports) for arg in ("--worker", f"{i}=127.0.0.1:{port}")]
-    stack.services.append(Service("control", ["ttserve.control", "--port", str(control_port),
-                                              "--metrics-port", str(control_metrics), *worker_args,
-                                              *control_flags],
-                                  tmp / f"control-{control_port}.log").start(env))
+    def control(port: str, metrics: str) -> Service:
+        return Service("control", ["ttserve.control", "--port", port, "--metrics-port", metrics, *worker_args,
+                                   *control_flags], tmp / f"control-{port}.log").start(env)
+
+    stack.services.append(control(str(control_port), str(control_metrics)))
     # The gateway starts beside the workers, as under `ttserve up`: it imports vLLM while they
     # warm up and waits for the control plane (its --connect-timeout and --ready-timeout default
     # to no limit); /ready then means it holds a session with a ready control plane.
@@ -239,10 +247,13 @@ def start_stack(tmp: Path, model: str, *, control_flags: tuple[str, ...] = (),
         http_port = free_port()
         stack.http_url = f"http://127.0.0.1:{http_port}"
         stack.services.append(Service("gateway", ["ttserve.gateway", "--port", str(http_port), "--control",
-                                                  stack.control_address, *gateway_flags],
+                                                  ",".join([stack.control_address, *(a for a, _ in stack.standbys)]),
+                                                  *gateway_flags],
                                       tmp / f"gateway-{http_port}.log").start(env))
     try:
         wait_until(lambda: control_ready(stack.control_address), 300, "the control plane to be ready", stack)
+        for address, metrics_url in stack.standbys:
+            stack.services.append(control(address.rpartition(":")[2], metrics_url.rpartition(":")[2]))
         if gateway:
             # A keyed gateway's /ready wants a key this helper does not hold: its caller waits for
             # /ready with one (test_e2e_key_limits.py); /health answers from the start.

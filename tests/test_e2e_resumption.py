@@ -6,6 +6,7 @@ Real worker and control plane processes, SmolLM2 in float32."""
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -87,25 +88,31 @@ def test_a_resumption_no_run_could_have_made_is_refused_with_the_reason(client, 
     assert metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="invalid") == before + 1
 
 
-def test_streams_survive_a_sigkilled_and_restarted_control_plane_with_the_tokens_of_an_uninterrupted_run(
-        tmp_path, smollm2):
-    """The gateway's half: 16 streams (greedy and seeded) in flight when the control plane is
-    SIGKILLed and restarted at once (as Restart= or `ttserve up` would) all finish, each with the
-    tokens an uninterrupted run gives; the clients see a pause, never an error."""
+def restart_control(stack) -> None:
+    """SIGKILL the control plane and start it again at once, as Restart= or `ttserve up` would."""
+    from stack import Service
+
+    control = stack.services[1]
+    assert control.name == "control"
+    control.stop(signal.SIGKILL)
+    stack.services[1] = Service(control.name, control.args, control.log_path).start()
+
+
+def sixteen_streams_through(stack, model: str, lose) -> dict:
+    """16 streams (greedy and seeded) run once undisturbed, then again with `lose(stack)` called
+    once each has its first tokens. Every one must finish with its undisturbed tokens; returns
+    the counts and the longest pause a client saw between two chunks."""
     import threading
     import time
 
     import openai
 
-    from stack import Service
-
-    stack = start_stack(tmp_path, str(smollm2), worker_flags=("--dtype", "float32"))
     client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
     prompts = [f"Story {i}: once upon a time" for i in range(16)]
     extra = [{"seed": i} if i % 2 else {} for i in range(16)]
 
     def stream(i: int, started: threading.Event | None, out: dict) -> None:
-        chunks = client.completions.create(model=smollm2.name, prompt=prompts[i], max_tokens=MAX_TOKENS,
+        chunks = client.completions.create(model=model, prompt=prompts[i], max_tokens=MAX_TOKENS,
                                            temperature=0.8 if extra[i] else 0, stream=True, timeout=300,
                                            extra_body={"ignore_eos": True, "return_token_ids": True, **extra[i]})
         tokens, reasons, gaps, last = [], [], [], time.monotonic()
@@ -124,33 +131,70 @@ def test_streams_survive_a_sigkilled_and_restarted_control_plane_with_the_tokens
             reasons.append(f"error: {e}")
         out[i] = (tokens, reasons, max(gaps[1:], default=0.0))
 
+    references: dict = {}
+    threads = [threading.Thread(target=stream, args=(i, None, references)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r[1] == ["length"] and len(r[0]) == MAX_TOKENS for r in references.values()), references
+    results: dict = {}
+    started = [threading.Event() for _ in range(16)]
+    threads = [threading.Thread(target=stream, args=(i, started[i], results)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for event in started:
+        assert event.wait(120), "a stream did not start"
+    lose(stack)
+    for t in threads:
+        t.join(300)
+    failed = {i: r[1] for i, r in results.items() if r[1] != ["length"]}
+    assert not failed, f"{failed}\n{stack.logs()}"
+    mismatched = [i for i in range(16) if results[i][0] != references[i][0]]
+    assert not mismatched, f"streams {mismatched} differ from an uninterrupted run"
+    figures = {"completed": len(results) - len(failed), "identical": 16 - len(mismatched), "failed": len(failed),
+               "longest_pause_s": round(max(r[2] for r in results.values()), 2)}
+    print(f"16 streams: {figures}")
+    return figures
+
+
+def test_streams_survive_a_sigkilled_and_restarted_control_plane_with_the_tokens_of_an_uninterrupted_run(
+        tmp_path, smollm2):
+    """The gateway's half: 16 streams (greedy and seeded) in flight when the control plane is
+    SIGKILLed and restarted at once (as Restart= or `ttserve up` would) all finish, each with the
+    tokens an uninterrupted run gives; the clients see a pause, never an error."""
+    stack = start_stack(tmp_path, str(smollm2), worker_flags=("--dtype", "float32"))
     try:
-        references: dict = {}
-        threads = [threading.Thread(target=stream, args=(i, None, references)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(r[1] == ["length"] and len(r[0]) == MAX_TOKENS for r in references.values()), references
-        results: dict = {}
-        started = [threading.Event() for _ in range(16)]
-        threads = [threading.Thread(target=stream, args=(i, started[i], results)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for event in started:
-            assert event.wait(120), "a stream did not start"
-        control = stack.services[1]
-        assert control.name == "control"
-        control.stop(signal.SIGKILL)
-        stack.services[1] = Service(control.name, control.args, control.log_path).start()
-        for t in threads:
-            t.join(300)
-        failed = {i: r[1] for i, r in results.items() if r[1] != ["length"]}
-        assert not failed, f"{failed}\n{stack.logs()}"
-        mismatched = [i for i in range(16) if results[i][0] != references[i][0]]
-        assert not mismatched, f"streams {mismatched} differ from an uninterrupted run"
+        sixteen_streams_through(stack, smollm2.name, restart_control)
         assert metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="admitted") >= 1
-        print("longest pause a client saw: %.2f s" % max(r[2] for r in results.values()))
+    finally:
+        stack.stop()
+
+
+def test_streams_survive_a_sigkilled_control_plane_on_a_standby_that_takes_its_workers(tmp_path, smollm2):
+    """Two control planes over the same worker, the gateway listing both (--control A,B): B waits
+    as a standby (not ready: the worker serves A, which answers its probes) while A serves. A is
+    SIGKILLed and stays dead: the worker takes B's step stream at once, and the gateway fails
+    over to B and resumes the 16 streams there with the tokens of an uninterrupted run."""
+    from stack import control_ready
+
+    stack = start_stack(tmp_path, str(smollm2), worker_flags=("--dtype", "float32"), standby_controls=1)
+    (standby, standby_metrics), = stack.standbys
+    try:
+        time.sleep(3)  # the standby has described the worker and waits for its stream
+        assert not control_ready(standby) and control_ready(stack.control_address)
+
+        def kill_first(stack) -> None:
+            control = stack.services[1]
+            assert control.name == "control" and control.args[control.args.index("--port") + 1] == \
+                stack.control_address.rpartition(":")[2]
+            control.stop(signal.SIGKILL)
+
+        sixteen_streams_through(stack, smollm2.name, kill_first)
+        assert stack.services[1].proc.poll() is not None  # A stayed dead: B served the rest
+        assert metric(standby_metrics, "ttserve_request_resumptions_total", outcome="admitted") >= 1
+        worker_log = stack.services[0].output()
+        assert "it is gone" not in worker_log  # A's death reset its connection: no probe needed
     finally:
         stack.stop()
 
@@ -256,5 +300,97 @@ def test_a_gateway_stopped_while_its_requests_wait_to_resume_ends_them_and_exits
         # or the 120-s resume deadline.
         assert time.monotonic() - stopped < 20 and not any("timed out" in str(e) for e in ended), ended
         assert gateway.proc.wait(timeout=30) == 0, gateway.output()[-3000:]
+    finally:
+        stack.stop()
+
+
+def test_a_standby_takes_the_worker_of_a_frozen_control_plane_by_probe_not_keepalive(tmp_path, smollm2):
+    """A control plane whose host vanished leaves its step stream open (no connection reset) until
+    keepalive ends it (~30 s). SIGSTOP gives the same: the kernel keeps the connection, nothing
+    answers. The worker probes the stream for the waiting standby, ends it when the probe goes
+    unanswered, and the standby serves (worker/server.py PROBE_TIMEOUT_S)."""
+    from stack import control_ready, wait_until
+
+    stack = start_stack(tmp_path, str(smollm2), gateway=False, standby_controls=1)
+    (standby, _), = stack.standbys
+    first = stack.services[1]
+    try:
+        time.sleep(7)  # the standby waits for the stream; the live first control plane answers its probes
+        assert not control_ready(standby) and "it is gone" not in stack.services[0].output()
+        first.proc.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        wait_until(lambda: control_ready(standby), 25, "the standby to take the frozen control plane's worker")
+        print(f"standby serving {time.monotonic() - frozen:.1f} s after the first control plane froze")
+        assert "it is gone; its stream ends" in stack.services[0].output()
+        client = ControlClient(standby)
+        try:
+            client.add("after", PROMPT, 8, eos_token_ids=())
+            assert len(client.collect({"after"})["after"].token_ids) == 8
+        finally:
+            client.close()
+    finally:
+        first.proc.send_signal(signal.SIGKILL)
+        stack.stop()
+
+
+def test_requests_with_images_resume_with_their_images_through_a_restarted_control_plane(tmp_path, tiny_vlm):
+    """A chat request with images is re-added with them (the gateway keeps the AddRequest it sent,
+    images and all): after a SIGKILLed and restarted control plane, each stream ends with the tokens
+    of an uninterrupted run. The tiny random-weight Qwen2.5-VL: its output depends on the image."""
+    import base64
+    import io
+    import threading
+
+    import openai
+
+    from conftest import sample_image
+
+    def data_url(seed: int) -> str:
+        buffer = io.BytesIO()
+        sample_image(56 + 28 * seed, 56, seed).save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    stack = start_stack(tmp_path, str(tiny_vlm), worker_flags=("--dtype", "float32"))
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+
+    def stream(i: int, started: threading.Event | None, out: dict) -> None:
+        content = [{"type": "text", "text": f"Picture {i}:"}, {"type": "image_url", "image_url": {"url": data_url(i)}},
+                   {"type": "text", "text": "describe it."}]
+        tokens, text, reasons = [], [], []
+        try:
+            for chunk in client.chat.completions.create(
+                    model=tiny_vlm.name, messages=[{"role": "user", "content": content}], temperature=0,
+                    max_tokens=1200, stream=True, timeout=300,  # long enough to be caught by the kill
+                    extra_body={"ignore_eos": True, "return_token_ids": True}):
+                for choice in chunk.choices:  # a chat chunk's token ids: vLLM's extra field
+                    tokens += getattr(choice, "token_ids", None) or []
+                    text.append(choice.delta.content or "")
+                    if choice.finish_reason:
+                        reasons.append(choice.finish_reason)
+                if started is not None and tokens:
+                    started.set()
+        except openai.APIError as e:
+            reasons.append(f"error: {e}")
+        out[i] = (tokens, "".join(text), reasons)
+
+    try:
+        references: dict = {}
+        for i in range(3):
+            stream(i, None, references)
+        assert all(len(r[0]) == 1200 and r[2] == ["length"] for r in references.values()), references
+        # Different images, different tokens: a resumption without its image would show.
+        assert len({tuple(r[0]) for r in references.values()}) == 3, references
+        results: dict = {}
+        started = [threading.Event() for _ in range(3)]
+        threads = [threading.Thread(target=stream, args=(i, started[i], results)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for event in started:
+            assert event.wait(120), "a stream did not start"
+        restart_control(stack)
+        for t in threads:
+            t.join(300)
+        assert results == references, f"{results}\n{stack.logs()}"
+        assert metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="admitted") >= 1
     finally:
         stack.stop()

@@ -102,6 +102,22 @@ def test_gateway_past_its_connect_timeout_is_1_naming_the_control_plane():
 
 
 @pytest.mark.e2e
+def test_a_gateway_listing_several_control_planes_names_each_and_why(tmp_path):
+    """--control A,B: past --connect-timeout the one line names both and what each answered."""
+    first, second = absent_address(), absent_address()
+    done = exit_of("ttserve.gateway", "--port", str(free_port()), "--control", f"{first},{second}",
+                   "--connect-timeout", "2")
+    assert done.returncode == 1, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert f"none of the control planes at {first}, {second} answered within 2 s: {first} unreachable (UNAVAILABLE" \
+        in line, line
+    assert f"; {second} unreachable (UNAVAILABLE" in line and "--connect-timeout" in line
+    for bad, why in ((f"{first},,{second}", "expected HOST:PORT[,HOST:PORT...]"), (f"{first},{first}", "listed twice")):
+        done = exit_of("ttserve.gateway", "--port", str(free_port()), "--control", bad)
+        assert done.returncode == 2 and why in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.e2e
 def test_gateway_without_a_timeout_waits_answering_health_and_ready_and_stops_with_0(tmp_path):
     control = absent_address()
     gateway, url = start_gateway(tmp_path, control)

@@ -278,7 +278,8 @@ def test_services_route_to_the_declared_ports(folder):
     # The control plane warms a worker up over its DNS name before the worker is ready.
     assert headless["spec"]["publishNotReadyAddresses"] is True
     # The gateway dials the control plane's Service, on the control plane's --port.
-    host, _, port = ws["gateway"].args.control.rpartition(":")
+    (target,) = ws["gateway"].args.control  # one control plane
+    host, _, port = target.rpartition(":")
     control = services[host]
     assert selects({"matchLabels": control["spec"]["selector"]}, ws["control"].labels)
     assert int(port) == ws["control"].args.port in [p["port"] for p in control["spec"]["ports"]]

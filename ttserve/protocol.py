@@ -19,7 +19,9 @@ import grpc
 #    state and serves on; a version-4 control plane would apply later steps' refusals as faults.
 # 6: resumed requests (AddRequest.resumption): a version-5 control plane would start them over
 #    and the client would see their tokens twice.
-PROTOCOL_VERSION = 6
+# 7: the step stream's probe (StepResult.probe, StepBatch.probe_answer): a version-6 control plane
+#    would not answer, and a second control plane would take its workers while it serves.
+PROTOCOL_VERSION = 7
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
 # Every ttserve server and channel: a step's outputs or a long prompt can exceed gRPC's 4 MiB.

@@ -16,18 +16,26 @@ from ttserve.v1 import device_pb2, device_pb2_grpc
 from .batch import Description
 from .metrics import WorkerMetrics
 from .runner import ModelRunner
-from .wire import (batch_from_pb, config_from_pb, description_to_pb, draining_to_pb, progress_to_pb, result_to_pb,
-                   step_error_to_pb, warm_to_pb)
+from .wire import (batch_from_pb, config_from_pb, description_to_pb, draining_to_pb, probe_to_pb, progress_to_pb,
+                   result_to_pb, step_error_to_pb, warm_to_pb)
 
 log = logging.getLogger(__name__)
 
-# How long a new step stream waits for the one it would replace. A control plane whose host
-# vanished leaves its stream open until server keepalive (ttserve/protocol.py: a ping every 20 s,
-# 10 s to answer) finds the connection dead and ends it; a new, authenticated control plane waits
-# out that window and takes the worker over. A stream still alive after it belongs to another
-# live control plane, which keeps the worker.
+# How long a new step stream waits for the one it would replace. A control plane that dies on a
+# live host ends its stream at once (the kernel resets the connection). One whose host vanished
+# leaves it open until server keepalive (ttserve/protocol.py: ~30 s) ends it; the new stream does
+# not wait for that: it probes the old one (StepResult.probe), and a stream that sends nothing
+# within PROBE_TIMEOUT_S of the probe is ended for it. A stream that answers belongs to another
+# live control plane, which keeps the worker: it is probed again PROBE_INTERVAL_S after each
+# answer (it may vanish meanwhile: found within PROBE_INTERVAL_S + PROBE_TIMEOUT_S) and the new
+# stream is refused after TAKEOVER_WAIT_S (its control plane retries: a standby). A probe costs
+# the holder one small message each way.
 TAKEOVER_WAIT_S = 40.0
+PROBE_TIMEOUT_S = 5.0
+PROBE_INTERVAL_S = 5.0
+TAKEOVER_POLL_S = 0.25
 STREAM_ACCEPTED = (("ttserve-step-stream", "accepted"),)
+PROBE = object()  # _batches_until_drained: send the control plane a probe here
 
 
 class DeviceService(device_pb2_grpc.DeviceServicer):
@@ -44,6 +52,12 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         self.metrics = WorkerMetrics(backend, device, runner.architecture)
         # One step stream at a time: device state and the KV cache belong to one control plane.
         self._stream_lock = asyncio.Lock()
+        # The stream holding the lock: its handler's task (ended when it is replaced), when it
+        # was last heard from (any batch or probe answer), and a probe another stream asks for.
+        self._stream_task: asyncio.Task | None = None
+        self._stream_heard = 0.0
+        self._probe_wanted = asyncio.Event()
+        self._probe_sent_at = 0.0
         self._warmup_lock = asyncio.Lock()
         self.draining = False
         self._drain_notice = asyncio.Event()  # set with `draining`: the step stream tells its control plane
@@ -188,12 +202,12 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         await self._refuse_unless_control_plane(context, "Step")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        try:
-            await asyncio.wait_for(self._stream_lock.acquire(), TAKEOVER_WAIT_S)
-        except asyncio.TimeoutError:
+        if not await self._take_stream(context.peer()):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"this worker already serves a step stream, alive after {TAKEOVER_WAIT_S:g} s "
-                                "(one control plane per worker)")
+                                f"this worker serves another control plane's step stream, which answered "
+                                f"its probes for {TAKEOVER_WAIT_S:g} s (one control plane per worker)")
+        self._stream_task, self._stream_heard = asyncio.current_task(), time.monotonic()
+        self._probe_wanted.clear()
         try:
             if self.draining:  # it began while this stream waited for the lock
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
@@ -205,6 +219,10 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 if pb is None:
                     log.info("telling the control plane this worker shuts down")
                     yield draining_to_pb()
+                    continue
+                if pb is PROBE:
+                    self._probe_sent_at = time.monotonic()
+                    yield probe_to_pb()
                     continue
                 received = time.perf_counter()
                 batch = batch_from_pb(pb)
@@ -227,14 +245,48 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     self.metrics.step(result.kind, result)
                     yield result_to_pb(result)
         finally:
+            self._stream_task = None
             self._stream_lock.release()
 
+    async def _take_stream(self, peer: str) -> bool:
+        """Acquire the step stream for a new stream: at once when none is held; else when the
+        holder ends, or when it leaves a probe unanswered for PROBE_TIMEOUT_S after it went out
+        (its control plane is gone: its stream is ended). A holder in a device step sends the
+        probe when the step ends. False after TAKEOVER_WAIT_S of a holder that answers."""
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        acquire = asyncio.ensure_future(self._stream_lock.acquire())
+        asked, next_probe, ended = 0.0, 0.0, False
+        try:
+            while not acquire.done() and (now := time.monotonic()) < deadline:
+                sent, holder = self._probe_sent_at, self._stream_task
+                unanswered = asked > 0 and sent >= asked and self._stream_heard < sent
+                if holder is not None and not ended and unanswered and now - sent >= PROBE_TIMEOUT_S:
+                    log.warning("the control plane holding the step stream sent nothing for %g s after a probe: "
+                                "it is gone; its stream ends and %s takes the worker", PROBE_TIMEOUT_S, peer)
+                    holder.cancel()
+                    ended = True
+                elif now >= next_probe and not unanswered:
+                    asked, next_probe = now, now + PROBE_INTERVAL_S
+                    self._probe_wanted.set()
+                await asyncio.wait({acquire}, timeout=TAKEOVER_POLL_S)
+        except BaseException:
+            if not acquire.cancel():  # acquired meanwhile
+                self._stream_lock.release()
+            raise
+        if acquire.done():
+            return True
+        acquire.cancel()
+        return False
+
     async def _batches_until_drained(self, batches: AsyncIterator[device_pb2.StepBatch]
-                                     ) -> AsyncIterator[device_pb2.StepBatch | None]:
-        """The stream's batches, with one None where the drain began: the notice goes out as
-        soon as SIGTERM arrives, also while the control plane sends nothing."""
+                                     ) -> AsyncIterator[device_pb2.StepBatch | None | object]:
+        """The stream's batches, with one None where the drain began (the notice goes out as
+        soon as SIGTERM arrives, also while the control plane sends nothing) and PROBE where
+        another stream asked for a probe. Probe answers are taken here, not passed on; every
+        message received marks the stream as heard from."""
         incoming = batches.__aiter__()
         notice = asyncio.ensure_future(self._drain_notice.wait())
+        probe = asyncio.ensure_future(self._probe_wanted.wait())
         pending: asyncio.Future | None = None
         told = False
         try:
@@ -242,20 +294,28 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 if notice.done() and not told:
                     told = True
                     yield None
+                if probe.done():
+                    self._probe_wanted.clear()
+                    probe = asyncio.ensure_future(self._probe_wanted.wait())
+                    yield PROBE
                 if pending is None:
                     pending = asyncio.ensure_future(incoming.__anext__())
-                await asyncio.wait({pending} if told else {pending, notice},
+                await asyncio.wait({pending, probe} if told else {pending, notice, probe},
                                    return_when=asyncio.FIRST_COMPLETED)
                 if not pending.done():
-                    continue  # the notice: yielded at the top
+                    continue  # a notice or a probe: yielded at the top
                 try:
                     batch = pending.result()
                 except StopAsyncIteration:
                     return
                 pending = None
+                self._stream_heard = time.monotonic()
+                if batch.probe_answer:
+                    continue
                 yield batch
         finally:
             notice.cancel()
+            probe.cancel()
             if pending is not None:
                 pending.cancel()
 

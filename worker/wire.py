@@ -78,6 +78,11 @@ def draining_to_pb() -> device_pb2.StepResult:
     return device_pb2.StepResult(draining=True)
 
 
+def probe_to_pb() -> device_pb2.StepResult:
+    """Another control plane asks for the step stream: answer (StepBatch.probe_answer) if alive."""
+    return device_pb2.StepResult(probe=True)
+
+
 def description_to_pb(d: Description) -> device_pb2.DeviceDescription:
     caps = d.capabilities
     pb = device_pb2.DeviceDescription(
