@@ -21,7 +21,7 @@ from .session import Admission, RequestOutput, SessionMessage, StepOutputs, Verd
 from .client_text import first_line, for_client
 from .queue_bounds import Ledger
 from .worker_group import StepFailure, Warm, WorkerDraining, WorkerGroup, WorkerLost
-from .worker_link import WorkerError
+from .worker_link import WorkerError, WorkerHeldElsewhere
 from .worker_set import WorkerSpec
 
 __all__ = ["Engine", "EngineConfig", "IncompatibleWorker"]
@@ -313,6 +313,11 @@ class Engine:
                 worker.not_ready_reason = str(e)
                 log.warning("%s; %d request(s) move to the other workers", e, len(e.requests))
                 self._migrate(e.requests, str(e), handed_off=True)
+            except WorkerHeldElsewhere as e:
+                if not worker.standby:
+                    log.info("standby for worker %s: %s; asking again until it is free", worker.name, e)
+                worker.standby = True
+                worker.not_ready_reason = f"standby: {e}"
             except WorkerError as e:
                 worker.not_ready_reason = str(e)
                 log.error("%s; reconnecting", e)

@@ -212,6 +212,9 @@ class _EngineState(Collector):
         stalled = GaugeMetricFamily("ttserve_worker_stalled",
                                     "1 from a step held past --stall-timeout (its requests moved) "
                                     "until the worker warms up again.", labels=["worker"])
+        standby = GaugeMetricFamily("ttserve_worker_standby",
+                                    "1 while the worker serves another control plane, for which this one "
+                                    "is a standby.", labels=["worker"])
         warmup = GaugeMetricFamily("ttserve_worker_warmup_progress",
                                    "Warmup progress of the worker, 0-1.", labels=["worker"])
         for g in engine.workers.values():
@@ -228,8 +231,9 @@ class _EngineState(Collector):
             up.add_metric([w], float(g.connected))
             ready.add_metric([w], float(g.ready))
             stalled.add_metric([w], float(g.stalled))
+            standby.add_metric([w], float(g.standby))
             warmup.add_metric([w], g.warmup_progress)
         draining = GaugeMetricFamily("ttserve_draining",
                                      "1 once SIGTERM arrived: admits nothing, finishes what it holds.",
                                      value=float(engine.draining))
-        yield from (running, waiting, kv, queries, hits, preemptions, up, ready, stalled, warmup, draining)
+        yield from (running, waiting, kv, queries, hits, preemptions, up, ready, stalled, standby, warmup, draining)

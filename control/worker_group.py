@@ -135,6 +135,9 @@ class WorkerGroup:
         self.warmup_progress = 0.0    # 0-1, as the worker last reported it
         self.stalled_since: float | None = None  # when the unanswered wait began, once stalled
         self.draining = False         # it said it shuts down; cleared when it describes itself serving
+        # It serves another live control plane, for which this one is a standby (set by the
+        # engine on WorkerHeldElsewhere; cleared once this one holds its step stream).
+        self.standby = False
         self._retired = LaneTotals()  # counts of lane groups torn down by reconnects
         self._wake = asyncio.Event()
         self._link: WorkerLink | None = None
@@ -238,6 +241,7 @@ class WorkerGroup:
         # of a control plane that vanished (until keepalive ends it, worker/server.py).
         self.not_ready_reason = f"worker at {link.address} is warm; waiting for it to take the step stream"
         await link.open()
+        self.standby = False
         if self.stalled_since is not None:
             log.warning("worker %s at %s is back %.0f s after it stalled", self.name, self.address,
                         time.monotonic() - self.stalled_since)

@@ -17,16 +17,21 @@ from .wire import (StepOutcome, WarmupProgress, WorkerDescription, describe_requ
                    empty_step_batch_to_pb, probe_answer_pb, step_batch_to_pb, step_result_from_pb, warmup_progress_from_pb,
                    warmup_request_to_pb)
 
-__all__ = ["StepFailed", "WarmupProgress", "WorkerError", "WorkerLink"]
+__all__ = ["StepFailed", "WarmupProgress", "WorkerError", "WorkerHeldElsewhere", "WorkerLink"]
 
 log = logging.getLogger(__name__)
 
-# Above the worker's wait for a dead stream's keepalive to end it (worker/server.py TAKEOVER_WAIT_S).
+# Above the worker's wait for the control plane holding its stream (worker/server.py TAKEOVER_WAIT_S).
 STREAM_ACCEPT_TIMEOUT_S = 60.0
 
 
 class WorkerError(RuntimeError):
     """The worker failed or went away; the message names it and says why."""
+
+
+class WorkerHeldElsewhere(WorkerError):
+    """The worker serves another live control plane (it answered the worker's probes): this one
+    is a standby for it, and asks again."""
 
 
 class StepFailed(WorkerError):
@@ -55,6 +60,7 @@ class WorkerLink:
         # Steps and probe answers are written from two tasks (the step loop, the reader); gRPC
         # takes one write at a time on a call.
         self._write_lock = asyncio.Lock()
+        self._answer: asyncio.Future | None = None  # the probe answer being written
 
     async def describe(self, timeout: float = 10.0) -> WorkerDescription:
         try:
@@ -105,11 +111,15 @@ class WorkerLink:
             raise WorkerError(f"worker at {self.address} did not take the step stream within "
                               f"{timeout:g} s") from None
         except grpc.aio.AioRpcError as e:
-            raise WorkerError(f"worker at {self.address} refused the step stream: {e.details()}") from e
+            raise self._refusal(e.code(), e.details()) from e
         if stream.done() and await stream.code() != grpc.StatusCode.OK:
-            raise WorkerError(f"worker at {self.address} refused the step stream: "
-                              f"{(await stream.code()).name}: {await stream.details()}")
+            raise self._refusal(await stream.code(), await stream.details())
         self._reader = asyncio.ensure_future(self._read(stream))
+
+    def _refusal(self, code: grpc.StatusCode, details: str) -> WorkerError:
+        held = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # worker/server.py: another live control plane
+        return (WorkerHeldElsewhere if held else WorkerError)(
+            f"worker at {self.address} refused the step stream: {code.name}: {details}")
 
     async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
         try:
@@ -121,8 +131,10 @@ class WorkerLink:
                 elif result.probe:  # another control plane asks for the worker: this one is alive
                     log.debug("worker %s: another control plane asks for its step stream; this one keeps it",
                               self.address)
-                    async with self._write_lock:
-                        await stream.write(probe_answer_pb())
+                    # Written by a task of its own: this reader keeps reading while a step's write
+                    # waits on flow control (the worker may be writing a large result meanwhile).
+                    if self._answer is None or self._answer.done():
+                        self._answer = asyncio.ensure_future(self._answer_probe(stream))
                 else:
                     self._results.put_nowait(result)
             self._results.put_nowait(WorkerError(f"worker at {self.address} closed the step stream"))
@@ -131,6 +143,13 @@ class WorkerLink:
         except Exception as e:  # noqa: BLE001 - the step loop waits on these results: it learns of any fault
             self._results.put_nowait(WorkerError(f"the step stream with the worker at {self.address} failed: "
                                                  f"{type(e).__name__}: {e}"))
+
+    async def _answer_probe(self, stream: grpc.aio.StreamStreamCall) -> None:
+        try:
+            async with self._write_lock:
+                await stream.write(probe_answer_pb())
+        except Exception as e:  # noqa: BLE001 - the stream's end reaches the reader
+            log.debug("worker %s: probe answer not sent: %s", self.address, e)
 
     async def ended(self) -> str:
         """Resolves when the step stream ends on its own (the worker died or went away); lets an
@@ -146,12 +165,17 @@ class WorkerLink:
         self._next_step_id += 1
         batch = (empty_step_batch_to_pb(step_id) if plan is None else
                  step_batch_to_pb(step_id, plan.kind, plan.lanes, max_num_seqs, async_readback))
+        stream = self._stream  # receive() may drop it while this waits for the lock
         try:
             async with self._write_lock:
-                await self._stream.write(batch)
+                await stream.write(batch)
         except grpc.aio.AioRpcError as e:
             self._stream = None
             raise WorkerError(f"worker at {self.address} failed: {e.details()}") from e
+        except asyncio.InvalidStateError:  # the worker ended the call (e.g. it serves another control plane now)
+            self._stream = None
+            raise WorkerError(f"worker at {self.address} ended the step stream: {(await stream.code()).name}: "
+                              f"{await stream.details()}") from None
 
     async def receive(self) -> StepOutcome:
         """The next step result, in the order the steps were sent."""
@@ -167,6 +191,8 @@ class WorkerLink:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        if self._answer is not None:
+            self._answer.cancel()
         if self._stream is not None:
             self._stream.cancel()
             self._stream = None

@@ -65,6 +65,11 @@ ADMISSION_TIMEOUT_S = 30.0
 # How long each control plane may take to answer GetServerInfo or GetModelInfo when the gateway
 # chooses one (a hung one is passed over after it).
 ASK_TIMEOUT_S = 2.0
+# With several control planes listed: how often the session's one is compared with the others,
+# and how many polls in a row it must be not ready while another is ready before the gateway
+# moves its requests there.
+FAILOVER_POLL_S = 2.0
+FAILOVER_STRIKES = 2
 # How soon a resumption turned away (the control plane is back but no worker is ready yet) is sent again.
 RESUME_RETRY_S = 0.5
 
@@ -146,7 +151,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._resuming: dict[str, float] = {}
         self._awaiting_verdict: set[str] = set()  # of those, sent on this session, no verdict yet
         self._resume_retry: asyncio.TimerHandle | None = None
-        self._other_model: set[str] = set()  # control planes found serving another model (_check_model)
+        # Control planes found serving another model, with why (_serves_our_model).
+        self._other_model: dict[str, str] = {}
         self._session: _Session | None = None
         self._plane: ControlPlane | None = None  # the session's control plane, while there is one
         self._last_error = "not connected yet"
@@ -183,7 +189,8 @@ class GrpcEngineCoreClient(EngineCoreClient):
     def unreachable_message(self) -> str:
         """For the operator (logs, /ready): it names the control plane's address."""
         if len(self.planes.planes) == 1:
-            return f"control plane at {self.target} is unreachable ({self._last_error})"
+            return self._other_model.get(self.target) or \
+                f"control plane at {self.target} is unreachable ({self._last_error})"
         return f"none of {self.planes.describe()} is ready ({self._last_error})"
 
     # What an HTTP client is told instead: internal addresses are the operator's.
@@ -216,11 +223,13 @@ class GrpcEngineCoreClient(EngineCoreClient):
                         log.error("%s", answer.why)
                 chosen = ControlPlanes.choose([a for a in answers if a.plane.target not in self._other_model])
                 if chosen is None:
-                    reason = "; ".join(a.describe(named=len(answers) > 1) for a in answers)
+                    reason = "; ".join(self._other_model.get(a.plane.target) or a.describe(named=len(answers) > 1)
+                                       for a in answers)
+                elif await self._serves_our_model(chosen.plane):
+                    reason = (await self._serve_session(chosen.plane, chosen.info)
+                              or f"the control plane at {chosen.plane.target} ended the session")
                 else:
-                    await self._check_model(chosen.plane)
-                    await self._serve_session(chosen.plane, chosen.info)
-                    reason = f"the control plane at {chosen.plane.target} ended the session"
+                    continue  # chosen again without it
             except asyncio.CancelledError:
                 self._disconnected("the gateway is shutting down", shutting_down=True)
                 raise
@@ -234,23 +243,44 @@ class GrpcEngineCoreClient(EngineCoreClient):
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._backoff_s[1])
 
-    async def _check_model(self, plane: ControlPlane) -> None:
-        """Refuse (for good: until the gateway restarts) a control plane that serves another
+    async def _serves_our_model(self, plane: ControlPlane) -> bool:
+        """False, for good (until the gateway restarts), for a control plane that serves another
         model than the one this gateway's frontend was built for: its tokenizer, limits and
         resumed tokens would not fit. Raises grpc.aio.AioRpcError if it does not answer."""
         if self._model is None:
-            return
+            return True
         info = await plane.stub.GetModelInfo(engine_pb2.ModelInfoRequest(), metadata=CALL_METADATA,
                                              timeout=ASK_TIMEOUT_S)
         want = (self._model.architecture, self._model.vocab_size, self._model.max_model_len)
-        if (info.architecture, info.vocab_size, info.max_model_len) != want:
-            self._other_model.add(plane.target)
-            log.error("not using the control plane at %s: it serves %s (vocabulary %d, max_model_len %d) from %s, "
-                      "and this gateway serves %s (vocabulary %d, max_model_len %d) from %s", plane.target,
-                      info.architecture, info.vocab_size, info.max_model_len, info.model_path, *want,
-                      self._model.model_path)
+        if (info.architecture, info.vocab_size, info.max_model_len) == want:
+            return True
+        why = (f"serves {info.architecture} (vocabulary {info.vocab_size}, max_model_len {info.max_model_len}) "
+               f"from {info.model_path}, and this gateway serves {want[0]} (vocabulary {want[1]}, max_model_len "
+               f"{want[2]}) from {self._model.model_path}")
+        self._other_model[plane.target] = f"{plane.target} is not used: it {why}"
+        log.error("not using the control plane at %s: it %s", plane.target, why)
+        return False
 
-    async def _serve_session(self, plane: ControlPlane, info: engine_pb2.ServerInfo) -> None:
+    async def _failover_wanted(self, plane: ControlPlane) -> str:
+        """Resolves, with the reason, once the session's control plane has been not ready (or
+        unreachable) for FAILOVER_STRIKES polls in a row while another listed one is ready: a
+        worker restart may have given the workers to a standby, or this one may be frozen."""
+        strikes = 0
+        while True:
+            await asyncio.sleep(FAILOVER_POLL_S)
+            answers = await self.planes.ask(timeout=ASK_TIMEOUT_S)
+            mine = next(a for a in answers if a.plane is plane)
+            other = next((a for a in answers if a.ready and a.plane is not plane
+                          and a.plane.target not in self._other_model), None)
+            strikes = strikes + 1 if other is not None and not mine.ready else 0
+            if strikes >= FAILOVER_STRIKES:
+                assert other is not None
+                return (f"the control plane at {plane.target} is {mine.describe(named=False)} and the one at "
+                        f"{other.plane.target} is ready")
+
+    async def _serve_session(self, plane: ControlPlane, info: engine_pb2.ServerInfo) -> str | None:
+        """Serve a session with `plane` until it ends (None) or, with several listed, until the
+        gateway leaves it for a ready one (the reason)."""
         self._session = session = _Session(plane.stub)
         self._plane = plane
         CONNECTED.set(1)
@@ -260,12 +290,31 @@ class GrpcEngineCoreClient(EngineCoreClient):
         self._ever_connected = True
         if self._resuming:
             self._schedule_resumptions(0.0)
-        async for message in session.call:
-            kind = message.WhichOneof("kind")
-            if kind == "outputs":
-                self._on_step(message.outputs)
-            elif kind == "admission":
-                self._on_admission(message.admission)
+        if len(self.planes.planes) == 1:
+            async for message in session.call:
+                self._on_message(message)
+            return None
+        failover = asyncio.ensure_future(self._failover_wanted(plane))
+        try:
+            while True:
+                read = asyncio.ensure_future(session.call.read())
+                await asyncio.wait({read, failover}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                    log.warning("leaving the session: %s", failover.result())
+                    return failover.result()
+                if (message := read.result()) is grpc.aio.EOF:
+                    return None
+                self._on_message(message)
+        finally:
+            failover.cancel()
+
+    def _on_message(self, message: engine_pb2.ServerMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "outputs":
+            self._on_step(message.outputs)
+        elif kind == "admission":
+            self._on_admission(message.admission)
 
     def _disconnected(self, reason: str, shutting_down: bool = False) -> bool:
         """Fail everything in flight on the lost session; returns whether one was lost."""

@@ -66,23 +66,28 @@ async def wait_for_control_plane(planes: ControlPlanes, connect_timeout: float, 
 
     `connect_timeout` bounds the time until a first answer from any of them, `ready_timeout` the
     time from it to ready (a control plane lost meanwhile is waited for within the same bound);
-    0: no bound. Past either, or when one refuses this gateway's protocol version: StartupError
-    (exit 1, for the supervisor to restart the gateway)."""
+    0: no bound. Past either, or when every one refuses this gateway's protocol version:
+    StartupError (exit 1, for the supervisor to restart the gateway)."""
     start = time.monotonic()
     contacted: set[str] = set()  # the control planes that answered
+    refused: set[str] = set()    # ... and refused this gateway (logged once)
     first_contact: float | None = None
     last_log = start - LOG_EVERY_S  # the first wait is logged at once
     while True:
         bound, since = (connect_timeout, start) if first_contact is None else (ready_timeout, first_contact)
         remaining = bound - (time.monotonic() - since) if bound > 0 else 5.0
         answers = await planes.ask(timeout=max(0.5, min(5.0, remaining)))
+        # Another protocol version is a peer problem (1), but not one waiting can end: only
+        # deploying one release on both sides does. Exiting makes it a visible restart loop
+        # (systemctl status, CrashLoopBackOff) that picks up the fixed peer by itself, where a
+        # gateway waiting on would look merely slow. With several listed, only when every one
+        # refuses (a rolling upgrade may have reached some first).
+        if all(a.refused for a in answers):
+            raise StartupError("; ".join(a.why for a in answers))
         for answer in answers:
-            # Another protocol version is a peer problem (1), but not one waiting can end: only
-            # deploying one release on both sides does. Exiting makes it a visible restart loop
-            # (systemctl status, CrashLoopBackOff) that picks up the fixed peer by itself,
-            # where a gateway waiting on would look merely slow.
-            if answer.refused:
-                raise StartupError(answer.why)
+            if answer.refused and answer.plane.target not in refused:
+                refused.add(answer.plane.target)
+                log.error("%s", answer.why)
             if answer.info is not None and answer.plane.target not in contacted:
                 contacted.add(answer.plane.target)
                 first_contact = first_contact or time.monotonic()

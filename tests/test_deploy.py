@@ -865,7 +865,7 @@ def test_docker_compose_services():
     control_args = parse_service_args("control", compose_command(services["control"]["command"]))
     # Named as prometheus.yml labels the worker's own target, so the two views join.
     assert control_args.worker == [f"0=worker:{GRPC_PORT['worker']}"]
-    assert gateway_args.control == f"control:{GRPC_PORT['control']}"
+    assert gateway_args.control == (f"control:{GRPC_PORT['control']}",)
     # Prometheus reads deploy/prometheus; its rule files sit beside the config.
     assert "./prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]

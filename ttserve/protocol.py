@@ -44,9 +44,9 @@ KEEPALIVE_ACCEPTED: tuple[tuple[str, int], ...] = (("grpc.http2.min_recv_ping_in
                                                    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                                                    ("grpc.keepalive_permit_without_calls", 1))
 # Servers ping their clients too: a worker whose control plane vanished (its host powered off, a
-# partition) ends that step stream within ~30 s, which frees the worker for a new control plane
-# (worker/server.py TAKEOVER_WAIT_S); a control plane drops a vanished gateway's session (and
-# aborts its requests) the same way.
+# partition) ends that step stream within ~30 s (sooner when a new control plane asks for the
+# worker: worker/server.py probes the stream); a control plane drops a vanished gateway's session
+# (and aborts its requests) the same way.
 SERVER_KEEPALIVE: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 20_000),
                                                  ("grpc.keepalive_timeout_ms", 10_000),
                                                  ("grpc.http2.ping_timeout_ms", 10_000),

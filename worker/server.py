@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 # leaves it open until server keepalive (ttserve/protocol.py: ~30 s) ends it; the new stream does
 # not wait for that: it probes the old one (StepResult.probe), and a stream that sends nothing
 # within PROBE_TIMEOUT_S of the probe is ended for it. A stream that answers belongs to another
-# live control plane, which keeps the worker: it is probed again PROBE_INTERVAL_S after each
-# answer (it may vanish meanwhile: found within PROBE_INTERVAL_S + PROBE_TIMEOUT_S) and the new
+# live control plane, which keeps the worker: it is probed every PROBE_INTERVAL_S while it
+# answers (it may vanish meanwhile: found within PROBE_INTERVAL_S + PROBE_TIMEOUT_S) and the new
 # stream is refused after TAKEOVER_WAIT_S (its control plane retries: a standby). A probe costs
 # the holder one small message each way.
 TAKEOVER_WAIT_S = 40.0
@@ -58,6 +58,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         self._stream_heard = 0.0
         self._probe_wanted = asyncio.Event()
         self._probe_sent_at = 0.0
+        self._replaced: asyncio.Task | None = None  # the holder _take_stream ended, once
         self._warmup_lock = asyncio.Lock()
         self.draining = False
         self._drain_notice = asyncio.Event()  # set with `draining`: the step stream tells its control plane
@@ -197,8 +198,11 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             self._log_summary(time.monotonic() - started)
         yield warm_to_pb(self.description())
 
-    async def Step(self, batches: AsyncIterator[device_pb2.StepBatch],
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[device_pb2.StepResult]:
+    async def Step(self, batches: AsyncIterator[device_pb2.StepBatch], context: grpc.aio.ServicerContext) -> None:
+        # Results go out through context.write, not as an async generator's yields: every write
+        # is an await in this coroutine, so a stream ended for a new control plane (cancelled by
+        # _take_stream, also while a write waits on a peer that reads nothing) runs its finally
+        # and releases the stream at once, and its control plane, if it still listens, hears why.
         await self._refuse_unless_control_plane(context, "Step")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
@@ -206,8 +210,10 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this worker serves another control plane's step stream, which answered "
                                 f"its probes for {TAKEOVER_WAIT_S:g} s (one control plane per worker)")
-        self._stream_task, self._stream_heard = asyncio.current_task(), time.monotonic()
+        me = self._stream_task = asyncio.current_task()
+        self._stream_heard = time.monotonic()
         self._probe_wanted.clear()
+        replaced = False
         try:
             if self.draining:  # it began while this stream waited for the lock
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
@@ -218,11 +224,11 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             async for pb in self._batches_until_drained(batches):
                 if pb is None:
                     log.info("telling the control plane this worker shuts down")
-                    yield draining_to_pb()
+                    await context.write(draining_to_pb())
                     continue
                 if pb is PROBE:
                     self._probe_sent_at = time.monotonic()
-                    yield probe_to_pb()
+                    await context.write(probe_to_pb())
                     continue
                 received = time.perf_counter()
                 batch = batch_from_pb(pb)
@@ -239,14 +245,22 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     # One result per step sent, in order: a decode held on the device (whose
                     # readback may be what raised) fails with this one.
                     for step_id in [*held, batch.step_id]:
-                        yield step_error_to_pb(step_id, f"{type(e).__name__}: {e}")
+                        await context.write(step_error_to_pb(step_id, f"{type(e).__name__}: {e}"))
                     continue
                 for result in results:
                     self.metrics.step(result.kind, result)
-                    yield result_to_pb(result)
+                    await context.write(result_to_pb(result))
+        except asyncio.CancelledError:
+            if self._replaced is not me:
+                raise
+            replaced = True
         finally:
             self._stream_task = None
             self._stream_lock.release()
+        if replaced:  # a control plane that was only frozen learns it lost the worker
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"this worker now serves another control plane: this one sent nothing for "
+                                f"{PROBE_TIMEOUT_S:g} s after a probe")
 
     async def _take_stream(self, peer: str) -> bool:
         """Acquire the step stream for a new stream: at once when none is held; else when the
@@ -255,16 +269,17 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         probe when the step ends. False after TAKEOVER_WAIT_S of a holder that answers."""
         deadline = time.monotonic() + TAKEOVER_WAIT_S
         acquire = asyncio.ensure_future(self._stream_lock.acquire())
-        asked, next_probe, ended = 0.0, 0.0, False
+        asked, next_probe = 0.0, 0.0
         try:
             while not acquire.done() and (now := time.monotonic()) < deadline:
                 sent, holder = self._probe_sent_at, self._stream_task
                 unanswered = asked > 0 and sent >= asked and self._stream_heard < sent
-                if holder is not None and not ended and unanswered and now - sent >= PROBE_TIMEOUT_S:
+                if holder is not None and holder is not self._replaced and unanswered \
+                        and now - sent >= PROBE_TIMEOUT_S:
                     log.warning("the control plane holding the step stream sent nothing for %g s after a probe: "
                                 "it is gone; its stream ends and %s takes the worker", PROBE_TIMEOUT_S, peer)
+                    self._replaced = holder
                     holder.cancel()
-                    ended = True
                 elif now >= next_probe and not unanswered:
                     asked, next_probe = now, now + PROBE_INTERVAL_S
                     self._probe_wanted.set()
