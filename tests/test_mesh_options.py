@@ -95,6 +95,18 @@ def test_a_smaller_grid_than_the_host_is_allowed():
 def test_a_preset_of_the_other_arch_is_refused():
     with pytest.raises(MeshError, match="P150 is a Blackhole mesh, but this host's chips are Wormhole"):
         resolve_mesh("P150", 1, arch="wormhole_b0")
+    with pytest.raises(MeshError, match="BH-Galaxy is a Blackhole mesh, but this host's chips are Wormhole"):
+        resolve_mesh("BH-Galaxy", 32, arch="wormhole_b0")
+
+
+def test_tg_is_the_galaxy_of_the_hosts_arch():
+    # The plugin maps TG to the Galaxy grid with no arch check; its README serves Qwen3-32B on a
+    # Blackhole Galaxy with MESH_DEVICE=TG.
+    bh = resolve_mesh("TG", 32, arch="blackhole", is_galaxy=True)
+    assert bh == MeshSpec("TG", 8, 4, "blackhole", True)
+    assert resolve_mesh("TG", 32, arch="wormhole_b0") == MeshSpec("TG", 8, 4, "wormhole", True)
+    # ... and gets the fabric the plugin gives a Blackhole Galaxy, with or without the cluster type.
+    assert default_fabric(bh) == fabric_for(bh, None, "BLACKHOLE_GALAXY") == "FABRIC_2D_TORUS_XY"
 
 
 def test_arch_names_from_ttnn_are_normalized():
@@ -139,6 +151,15 @@ def test_mesh_from_env_reads_both_variables_and_names_visible_devices_when_short
 ])
 def test_default_fabric_per_mesh(name, fabric):
     assert default_fabric(resolve_mesh(name, 32)) == fabric
+
+
+@pytest.mark.parametrize("cluster, fabric", [
+    ("GALAXY", "FABRIC_1D_RING"),            # the 6U Wormhole Galaxy
+    ("TG", "FABRIC_1D"),                     # the 4U one: the plugin gives the ring to GALAXY only
+    ("BLACKHOLE_GALAXY", "FABRIC_2D_TORUS_XY"), ("T3K", "FABRIC_1D"),
+])
+def test_a_tg_mesh_takes_the_fabric_of_the_hosts_cluster_type(cluster, fabric):
+    assert default_fabric(resolve_mesh("TG", 32), cluster) == fabric
 
 
 def test_a_requested_fabric_overrides_the_default_but_never_on_one_device():

@@ -269,8 +269,7 @@ def test_bundles_register_and_malformed_ones_are_skipped_with_one_warning_each(t
         "import-error": "ModuleNotFoundError: No module named 'ttnn_that_is_not_installed'",
         "syntax-error": "SyntaxError",
         "missing-class": "AttributeError",
-        "no-contract": "no initialize_vllm_model, allocate_kv_cache, decode_forward, read_decode_output, "
-                       "process_decode_output_host",
+        "no-contract": "no initialize_vllm_model, allocate_kv_cache, decode_forward, read_decode_output",
         "z-duplicate": "TTGoodChatForCausalLM is already provided by bundle " + str(good),
     }
     for name, folder in bad.items():

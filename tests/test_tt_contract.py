@@ -1,7 +1,8 @@
 """The ttnn path against tt-metal's and the TT vLLM plugin's real behaviour, one test per row of
 the contract (README "Tenstorrent hosts"), on fakes that mirror the real files: tests/fakes/
 tt_metal (tt-metal's `models/` tree: generator_vllm importing vLLM at its top, ModelArgs asserting
-HF_MODEL, the Galaxy generator's divisibility assert, get_max_tokens_all_users) and
+HF_MODEL, the Galaxy generator's divisibility assert and 32-device model args,
+get_max_tokens_all_users) and
 tests/fakes/fake_tt_model.py (resume-offset flooring that rewrites the tokens before start_pos,
 the 32-candidate device sampler, the decode input-update contract)."""
 from __future__ import annotations
@@ -33,6 +34,8 @@ from ttserve.worker.server import DeviceService
 TREE = Path(__file__).parent / "fakes" / "tt_metal"
 TESTS = Path(__file__).parent
 GALAXY_ENV = {"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy"}
+QWEN_GALAXY_ENV = {"TT_QWEN3_TEXT_VER": "qwen3_32b_galaxy"}
+GALAXY = "models.demos.llama3_70b_galaxy.tt.generator_vllm"
 
 
 @pytest.fixture
@@ -115,6 +118,34 @@ def test_a_missing_vllm_is_named_with_its_fix_not_blamed_on_pythonpath(tt_metal,
     assert "PYTHONPATH" not in message and "\n" not in message
 
 
+def test_the_galaxy_generator_imports_no_vllm_and_is_not_refused_without_it(tt_metal, no_vllm, no_hf_model,
+                                                                           tmp_path):
+    # tt-metal's Galaxy generator_vllm dropped its `import vllm.envs`; only older versions need vLLM.
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path))),
+                       {**GALAXY_ENV, "MESH_DEVICE": "TG"}, serving=Serving(data_parallel_size=4, max_num_seqs=8),
+                       probe=lambda: chips(32, "GALAXY"))
+    assert not plan.fatal, plan.fatal
+    assert plan.model_cls is not None and plan.model_cls.__module__ == GALAXY
+
+
+def test_whether_a_module_imports_vllm_is_read_from_its_source(tt_metal, tmp_path, monkeypatch):
+    from ttserve.worker.backends.ttnn.tt_models import module_imports_vllm
+    assert module_imports_vllm("models.tt_transformers.tt.generator_vllm") is True
+    assert module_imports_vllm(GALAXY) is False
+    assert module_imports_vllm("models.demos.nowhere.tt.generator_vllm") is None  # not found: not judged
+    # An older tt-metal first on the path (up to 0be6ffc8 the module did `import vllm.envs as envs`).
+    package = tmp_path / "old_tt"
+    package.mkdir()
+    for part in ("models", "demos", "llama3_70b_galaxy", "tt"):
+        package = package / part
+        package.mkdir()
+        (package / "__init__.py").write_text("raise RuntimeError('a package ran')\n")
+    (package / "generator_vllm.py").write_text("import ttnn\nimport vllm.envs as envs\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "old_tt"))
+    assert module_imports_vllm(GALAXY) is True
+    assert "models" not in sys.modules  # found and read, nothing imported
+
+
 def test_with_vllm_the_built_in_classes_import_from_tt_metal(tt_metal):
     _, cls = build_registry("ttnn", {}).resolve(["LlamaForCausalLM"])
     assert cls.__module__ == "models.tt_transformers.tt.generator_vllm" and cls.__name__ == "LlamaForCausalLM"
@@ -146,10 +177,50 @@ def test_an_hf_model_naming_other_weights_is_refused_before_the_mesh_opens(tt_me
     assert "ttnn.open_mesh_device" not in ttnn.recorder.names()
 
 
-def test_the_galaxy_demo_reads_llama_dir(tt_metal, no_hf_model, tmp_path):
-    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path))),
-                       {**GALAXY_ENV, "MESH_DEVICE": "TG"}, probe=lambda: chips(32, "GALAXY"))
-    assert plan.environment.to_set == {"LLAMA_DIR": str(tmp_path / "Llama-3.1-8B-Instruct")}, plan.problems
+# The Galaxy generators: TtQwenModelArgs reads HF_MODEL only; TtModelArgs takes either, never both.
+GALAXY_CLASSES = [
+    pytest.param(GALAXY_ENV, "Llama-3.3-70B-Instruct", "LlamaForCausalLM", "TtModelArgs", id="llama3_70b_galaxy"),
+    pytest.param(QWEN_GALAXY_ENV, "Qwen3-32B", "Qwen3ForCausalLM", "TtQwenModelArgs", id="qwen3_32b_galaxy"),
+]
+
+
+@pytest.mark.parametrize("env, name, arch, args_cls", GALAXY_CLASSES)
+def test_the_galaxy_generators_read_hf_model(tt_metal, no_hf_model, tmp_path, env, name, arch, args_cls):
+    model_dir = checkpoint(tmp_path, name, arch)
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(model_dir)), {**env, "MESH_DEVICE": "TG"},
+                       serving=Serving(data_parallel_size=4, max_num_seqs=8), probe=lambda: chips(32, "GALAXY"))
+    assert not plan.fatal, plan.fatal
+    assert plan.environment.to_set == {"HF_MODEL": str(model_dir)}, plan.problems
+    assert plan.entry.target_name.startswith(GALAXY + ":")
+    [(var, variant)] = env.items()
+    runner, ttnn = tree_runner(model_dir, plan.entry.target_name, "TG", env=env, variant=variant)
+    warm(runner, num_lanes=4, max_num_seqs=8)
+    [built] = ttnn.recorder.only("model.galaxy_model_args")  # one 32-device submesh, every row
+    assert built == {"args_cls": args_cls, "ckpt_dir": str(model_dir), "num_devices": 32, "max_batch_size": 32}
+
+
+def test_an_inherited_llama_dir_is_dropped_for_a_class_that_reads_hf_model(tt_metal, monkeypatch, tmp_path,
+                                                                           caplog):
+    # HF_MODEL already names --model and a LLAMA_DIR is inherited: TtModelArgs would assert
+    # "Only one of LLAMA_DIR or HF_MODEL should be set".
+    model_dir = checkpoint(tmp_path, "Llama-3.3-70B-Instruct")
+    monkeypatch.setenv("HF_MODEL", str(model_dir))
+    monkeypatch.setenv("LLAMA_DIR", str(tmp_path / "meta-llama-3.3"))
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(model_dir)),
+                       {**os.environ, **GALAXY_ENV, "MESH_DEVICE": "TG"},
+                       serving=Serving(data_parallel_size=4, max_num_seqs=8), probe=lambda: chips(32, "GALAXY"))
+    assert not plan.fatal, plan.fatal
+    assert plan.environment.to_set == {"LLAMA_DIR": None}
+    assert any(f"LLAMA_DIR={tmp_path / 'meta-llama-3.3'} unset for the model" in note
+               for note in plan.environment.notes), plan.environment.notes
+    runner, ttnn = tree_runner(model_dir, f"{GALAXY}:LlamaForCausalLM", "TG", variant="llama3_70b_galaxy",
+                               env={**os.environ, **GALAXY_ENV})
+    with caplog.at_level(logging.INFO, logger="ttserve.worker.backends.ttnn.tt_models"):
+        warm(runner, num_lanes=4, max_num_seqs=8)
+    assert "LLAMA_DIR" not in os.environ and os.environ["HF_MODEL"] == str(model_dir)
+    assert "LLAMA_DIR=" in caplog.text and "removed from the environment the model reads" in caplog.text
+    [built] = ttnn.recorder.only("model.galaxy_model_args")
+    assert built["ckpt_dir"] == str(model_dir)
 
 
 # ---- lanes: folded by the plugin's rule, and the Galaxy divisibility assert --------------------
@@ -165,16 +236,58 @@ def test_the_worker_reports_lanes_in_process_as_the_plugin_folds_them(tt_metal, 
     assert DeviceService(runner, "ttnn", "mesh TG").description().lanes_in_process is folded
 
 
-def test_a_galaxy_lane_count_off_the_mesh_columns_is_refused_before_weights_load(tt_metal, no_hf_model, tmp_path):
-    runner, ttnn = tree_runner(checkpoint(tmp_path), "models.demos.llama3_70b_galaxy.tt.generator_vllm:LlamaForCausalLM",
-                               "TG", env=GALAXY_ENV, variant="llama3_70b_galaxy")
-    with pytest.raises(ValueError, match="lane count must be a multiple of 4: use 4, 8, 12"):
-        warm(runner, num_lanes=3, max_num_seqs=8)
+@pytest.mark.parametrize("lanes", [3, 8, 12])
+@pytest.mark.parametrize("cls_name, env, variant", [("LlamaForCausalLM", GALAXY_ENV, "llama3_70b_galaxy"),
+                                                    ("QwenForCausalLM", QWEN_GALAXY_ENV, "qwen3_32b_galaxy")])
+def test_a_galaxy_lane_count_other_than_the_mesh_columns_is_refused_before_weights_load(
+        tt_metal, no_hf_model, tmp_path, lanes, cls_name, env, variant):
+    # 3 fails the dp_attention_factor assert, 12 create_submeshes' split (3 groups of 32 devices),
+    # 8 the model args (two 16-device submeshes): on a TG only 4 lanes load.
+    runner, ttnn = tree_runner(checkpoint(tmp_path), f"{GALAXY}:{cls_name}", "TG", env=env, variant=variant)
+    with pytest.raises(ValueError, match="so the lane count must be 4: use --data-parallel-size 4$"):
+        warm(runner, num_lanes=lanes, max_num_seqs=8)
+    assert not ttnn.recorder.only("model.galaxy_model_args")
     assert not ttnn.recorder.only("model.initialize_vllm_model")
 
 
+@pytest.mark.parametrize("lanes, error, message", [
+    (3, AssertionError, r"Total DP \(3\) must be divisible by dp_attention_factor \(4\)"),
+    (8, KeyError, "16"),  # two 16-device submeshes: not in the model args' device-name table
+    (12, AssertionError, "Unsupported device split: 32 devices, 3 groups"),
+])
+def test_the_galaxy_generator_fake_loads_only_the_whole_8x4_mesh(tt_metal, monkeypatch, lanes, error, message):
+    """The fake mirrors why ttserve refuses those counts: the real generator fails at load."""
+    from fakes.fake_ttnn import FakeMesh
+    from models.demos.llama3_70b_galaxy.tt.generator_vllm import LlamaForCausalLM, QwenForCausalLM
+    from models.tt_transformers.tt.generator import TTNN
+    monkeypatch.setenv("HF_MODEL", "/weights/Qwen3-32B")
+    monkeypatch.delenv("LLAMA_DIR", raising=False)
+    for cls in (LlamaForCausalLM, QwenForCausalLM):
+        mesh = FakeMesh(TTNN.recorder, "mesh", 32, shape=(8, 4))
+        with pytest.raises(error, match=message):
+            cls.initialize_vllm_model(None, mesh, 8 * lanes, 4096, tt_data_parallel=lanes)
+        assert cls.initialize_vllm_model(None, mesh, 32, 4096, tt_data_parallel=4) is not None
+    monkeypatch.setenv("LLAMA_DIR", "/weights/meta")
+    with pytest.raises(AssertionError, match="Only one of LLAMA_DIR or HF_MODEL should be set"):
+        LlamaForCausalLM.initialize_vllm_model(None, FakeMesh(TTNN.recorder, "mesh", 32, shape=(8, 4)), 32, 4096,
+                                               tt_data_parallel=4)
+    monkeypatch.delenv("HF_MODEL")
+    with pytest.raises(AssertionError, match="Please set HF_MODEL to a HuggingFace name e.g. Qwen/Qwen3-32B"):
+        QwenForCausalLM.initialize_vllm_model(None, FakeMesh(TTNN.recorder, "mesh", 32, shape=(8, 4)), 32, 4096,
+                                              tt_data_parallel=4)
+
+
+def test_a_galaxy_generator_off_a_32_device_mesh_is_refused():
+    from ttserve.worker.backends.ttnn.tt_models import ModelFamily, data_parallel_problem
+    family = ModelFamily.of(f"{GALAXY}:QwenForCausalLM", "qwen3_32b_galaxy")
+    problem = data_parallel_problem(family, 8, 8, resolve_mesh("T3K", 8))
+    assert "builds its model on 32 devices only" in problem and "MESH_DEVICE=TG" in problem
+    assert data_parallel_problem(family, 8, 8, resolve_mesh("(4,8)", 32)) is None  # 8 columns: 8 lanes
+    assert "must be 8" in data_parallel_problem(family, 4, 8, resolve_mesh("(4,8)", 32))
+
+
 def test_a_galaxy_gets_its_lane_count_as_tt_data_parallel_and_every_row(tt_metal, no_hf_model, tmp_path):
-    runner, ttnn = tree_runner(checkpoint(tmp_path), "models.demos.llama3_70b_galaxy.tt.generator_vllm:LlamaForCausalLM",
+    runner, ttnn = tree_runner(checkpoint(tmp_path), f"{GALAXY}:LlamaForCausalLM",
                                "TG", env=GALAXY_ENV, variant="llama3_70b_galaxy")
     warm(runner, num_lanes=4, max_num_seqs=8)
     [init] = ttnn.recorder.only("model.initialize_vllm_model")
@@ -338,9 +451,23 @@ def test_an_input_update_contract_adapter_gets_its_commands_never_reset_batch(tm
 
 @pytest.mark.parametrize("mesh, cluster, fabric", [
     ("T3K", "GALAXY", "FABRIC_1D_RING"), ("T3K", "T3K", "FABRIC_1D"), ("P150x4", "BLACKHOLE_GALAXY", "FABRIC_2D_TORUS_XY"),
-    ("TG", "GALAXY", "FABRIC_1D_RING"), ("N150", "GALAXY", None)])
+    ("TG", "GALAXY", "FABRIC_1D_RING"), ("N150", "GALAXY", None),
+    # The 4U Galaxy (ClusterType.TG) is not the plugin's GALAXY: FABRIC_1D, as any other cluster.
+    ("TG", "TG", "FABRIC_1D"), ("T3K", "TG", "FABRIC_1D")])
 def test_the_default_fabric_follows_the_hosts_cluster_type(mesh, cluster, fabric):
     assert fabric_for(resolve_mesh(mesh, 32), None, cluster) == fabric
+
+
+def test_a_tg_plan_on_a_blackhole_galaxy_takes_its_arch_and_its_torus(tt_metal, no_hf_model, tmp_path):
+    # The plugin's README runs Qwen3-32B on a Blackhole Galaxy with MESH_DEVICE=TG.
+    probe = ChipProbe(True, "32 blackhole chip(s), cluster BLACKHOLE_GALAXY", 32, "blackhole", True,
+                      "BLACKHOLE_GALAXY")
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path, "Qwen3-32B",
+                                                                                  "Qwen3ForCausalLM"))),
+                       {**QWEN_GALAXY_ENV, "MESH_DEVICE": "TG"}, serving=Serving(data_parallel_size=4, max_num_seqs=8),
+                       probe=lambda: probe)
+    assert not plan.fatal, plan.fatal
+    assert (plan.mesh.arch, plan.mesh.shape, plan.fabric) == ("blackhole", (8, 4), "FABRIC_2D_TORUS_XY")
 
 
 def test_a_t3k_submesh_on_a_galaxy_opens_with_the_ring(tmp_path):
@@ -409,12 +536,13 @@ def check_here(tt_metal, monkeypatch, capsys):
     vllm_log.setLevel(level)  # the check quiets vLLM's import-time notes; other tests' logs keep them
 
 
-def test_check_refuses_a_galaxy_lane_count_that_is_not_a_multiple_of_4(tmp_path, check_here):
-    done = check_here("--backend", "ttnn", "--model", str(checkpoint(tmp_path)), "--data-parallel-size", "3",
+@pytest.mark.parametrize("lanes", ["3", "8"])
+def test_check_refuses_a_galaxy_lane_count_other_than_4(tmp_path, check_here, lanes):
+    done = check_here("--backend", "ttnn", "--model", str(checkpoint(tmp_path)), "--data-parallel-size", lanes,
                       env={"MESH_DEVICE": "TG", **GALAXY_ENV})
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "lane count must be a multiple of 4" in done.stdout
-    assert "models.demos.llama3_70b_galaxy.tt.generator_vllm:LlamaForCausalLM" in done.stdout
+    assert "lane count must be 4: use --data-parallel-size 4" in done.stdout
+    assert f"{GALAXY}:LlamaForCausalLM" in done.stdout
 
 
 def test_check_prints_the_plan_of_a_good_configuration_and_passes_without_chips(tmp_path, check_here):

@@ -380,11 +380,15 @@ def test_reset_batch_reaches_only_a_model_that_takes_it():
     assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is False  # not passed: its default
 
 
-@pytest.mark.parametrize("trace_mode, takes_reset_batch, keeps", [("all", True, True), ("decode_only", True, True),
-                                                                  ("none", True, False), ("all", False, False)])
-def test_only_a_traced_decode_that_takes_reset_batch_keeps_its_inputs(trace_mode, takes_reset_batch, keeps):
+@pytest.mark.parametrize("trace_mode, model, keeps", [
+    ("all", {}, True), ("decode_only", {}, True), ("none", {}, False), ("all", {"takes_reset_batch": False}, False),
+    ("all", {"decode_contract": 1}, True), ("all", {"decode_contract": 2}, True),
+    # fail-closed without the capability, as the plugin: such a model may lack token feedback
+    ("all", {"supports_async_decode": False}, False), ("all", {"decode_contract": 1, "supports_async_decode": False},
+                                                       False)])
+def test_only_a_traced_decode_of_a_model_that_declares_async_decode_keeps_its_inputs(trace_mode, model, keeps):
     backend, ttnn, _ = opened_backend(trace_mode=trace_mode)
-    model = make_model_class(ttnn, takes_reset_batch=takes_reset_batch)(backend.mesh, ROWS)
+    model = make_model_class(ttnn, **model)(backend.mesh, ROWS)
     assert backend.keeps_decode_inputs(model) is keeps
 
 
@@ -403,10 +407,12 @@ def test_a_device_failure_in_a_step_is_one_line():
 
 # ---- device-resident decode inputs across pipelined steps ----------------------------------------
 
-def resident_backend(monkeypatch, takes_reset_batch: bool = True, **options) -> tuple[TtnnBackend, FakeTtnn, object]:
+def resident_backend(monkeypatch, takes_reset_batch: bool = True, model: dict | None = None,
+                     **options) -> tuple[TtnnBackend, FakeTtnn, object]:
+    """A backend with an initialized fake model; `model`: make_model_class's keywords."""
     backend, ttnn, _ = opened_backend(**{"sample_on_device_mode": "all", **options})
-    model = initialize(backend, make_model_class(ttnn, takes_reset_batch=takes_reset_batch), monkeypatch,
-                       max_num_seqs=ROWS, max_model_len=256)
+    model = initialize(backend, make_model_class(ttnn, **{"takes_reset_batch": takes_reset_batch, **(model or {})}),
+                       monkeypatch, max_num_seqs=ROWS, max_model_len=256)
     ttnn.recorder.calls.clear()
     return backend, ttnn, model
 
@@ -512,6 +518,111 @@ def test_a_model_without_reset_batch_is_never_fed_from_the_device(monkeypatch):
     assert not backend.resident_tokens
     with pytest.raises(AssertionError, match="cannot take its decode tokens from the device"):
         launch(backend, model, greedy(), launch(backend, model, greedy()), [0])
+
+
+def test_a_legacy_model_without_async_decode_resets_only_on_transitions_and_gets_real_tokens(monkeypatch):
+    # the plugin's legacy path: reset_batch follows the layout whatever the capabilities say
+    backend, ttnn, model = resident_backend(monkeypatch, model={"supports_async_decode": False})
+    assert not backend.resident_tokens
+    first = backend.finish_decode(model, launch(backend, model, greedy())).reshape(-1)
+    a, b = next_token(5, 3, 64), next_token(9, 7, 64)
+    second = launch(backend, model, greedy(), first, [0, 1], tokens=(0, 0, 0, 0), positions=(4, 8, -1, -1))
+    calls = ttnn.recorder.only("model.decode_forward")
+    assert [(c["reset_batch"], c["inputs"]) for c in calls] == [(True, "host"), (False, "device")]
+    assert calls[1]["tokens"] == [a, b, 0, 0]  # a token already on the host is no placeholder
+    assert backend.finish_decode(model, second).reshape(-1).tolist()[:2] == [next_token(a, 4, 64),
+                                                                             next_token(b, 8, 64)]
+
+
+def test_a_resident_step_still_fills_carried_tokens_the_host_already_has(monkeypatch):
+    backend, ttnn, model = resident_backend(monkeypatch)
+    first = backend.finish_decode(model, launch(backend, model, greedy())).reshape(-1)
+    backend.finish_decode(model, launch(backend, model, greedy(), first, [0, 1], tokens=(0, 0, 0, 0),
+                                        positions=(4, 8, -1, -1)))
+    call = ttnn.recorder.only("model.decode_forward")[1]
+    assert (call["reset_batch"], call["inputs"]) == (False, "device")
+    assert call["tokens"] == [next_token(5, 3, 64), next_token(9, 7, 64), 0, 0]
+
+
+def test_a_contract_model_without_async_decode_reloads_its_inputs_every_decode(monkeypatch):
+    # DECODE_RELOAD_CONTRACT.md: the capability is fail-closed, "a full forward-input reload on
+    # every version-1 decode"; the sampling state still resets only on a transition.
+    backend, ttnn, model = resident_backend(monkeypatch, model={"decode_contract": 1, "supports_async_decode": False,
+                                                                "token_feedback": False})
+    assert not backend.resident_tokens
+    first = backend.finish_decode(model, launch(backend, model, greedy())).reshape(-1)
+    a, b = next_token(5, 3, 64), next_token(9, 7, 64)
+    second = launch(backend, model, greedy(), first, [0, 1], tokens=(0, 0, 0, 0), positions=(4, 8, -1, -1))
+    commands = ttnn.recorder.only("model.decode_commands")
+    assert [c["reload_inputs"] for c in commands] == [True, True]
+    assert [c["reload_page_table"] for c in commands] == [False, False]
+    assert [(c["reload_sampling_params"], c["reset_sampling_state"]) for c in commands] == [(True, True),
+                                                                                            (False, False)]
+    assert ttnn.recorder.only("model.decode_forward")[1]["tokens"] == [a, b, 0, 0]
+    assert backend.finish_decode(model, second).reshape(-1).tolist()[:2] == [next_token(a, 4, 64),
+                                                                             next_token(b, 8, 64)]
+    # what tt-metal's generator does when asked to run such a model on its resident inputs
+    with pytest.raises(ValueError, match="no on-device decode token feedback"):
+        model.decode_forward(**step(positions=(5, 9, -1, -1)), sampling_params=greedy(), read_from_device=False,
+                             reload_inputs=False, reload_page_table=False, reload_sampling_params=False,
+                             reset_sampling_state=False)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_later_contract_version_gets_the_same_commands(monkeypatch, version):
+    # versions above 1 are backward-compatible supersets (DECODE_RELOAD_CONTRACT.md)
+    backend, ttnn, model = resident_backend(monkeypatch, model={"decode_contract": version})
+    assert backend.resident_tokens
+    first = launch(backend, model, greedy(), positions=(15, 7, -1, -1))
+    second = launch(backend, model, greedy(), first, [0, 1], tokens=(0, 0, 0, 0), positions=(16, 8, -1, -1),
+                    blocks=((1, 5), (2, 0), (3, 0), (4, 0)))
+    commands = ttnn.recorder.only("model.decode_commands")
+    assert [(c["reload_inputs"], c["reload_page_table"], c["reload_sampling_params"], c["reset_sampling_state"])
+            for c in commands] == [(True, False, True, True), (False, True, False, False)]
+    assert all(c["reset_batch"] is None for c in ttnn.recorder.only("model.decode_forward"))
+    a = backend.finish_decode(model, first).reshape(-1).tolist()[0]
+    assert backend.finish_decode(model, second).reshape(-1).tolist()[0] == next_token(a, 16, 64)
+    assert not ttnn.recorder.only("model.stale_page_table") and not ttnn.recorder.only("model.stale_sampling_params")
+
+
+SEEDED = SamplingParams(temperature=[0.8, 0.0, 0.0, 0.0], top_k=[20, 1, 1, 1], top_p=[0.9, 1.0, 1.0, 1.0],
+                        seed=[1234, None, None, None])
+
+
+@pytest.mark.parametrize("trace_mode", ["none", "all"])
+def test_a_switch_to_device_sampling_on_the_same_rows_uploads_the_sampling_state(monkeypatch, trace_mode):
+    # the plugin's host -> device transition: reload, reload params, reset state, traced or not
+    backend, ttnn, model = resident_backend(monkeypatch, model={"decode_contract": 1}, trace_mode=trace_mode)
+    backend.finish_decode(model, launch(backend, model, None))
+    out = backend.finish_decode(model, launch(backend, model, SEEDED, tokens=(1, 2, 0, 0), positions=(4, 8, -1, -1)))
+    backend.finish_decode(model, launch(backend, model, SEEDED, tokens=(3, 4, 0, 0), positions=(5, 9, -1, -1)))
+    commands = ttnn.recorder.only("model.decode_commands")
+    assert [(c["reload_sampling_params"], c["reset_sampling_state"]) for c in commands] == [
+        (False, False), (True, True), (False, False)]
+    assert [c["reload_inputs"] for c in commands] == [True, True, trace_mode == "none"]
+    assert out.reshape(-1).tolist()[0] == (next_token(1, 4, 64) + 1234) % 64
+    assert not ttnn.recorder.only("model.stale_sampling_params")
+
+
+def test_a_legacy_untraced_switch_to_device_sampling_resets_the_batch(monkeypatch):
+    backend, ttnn, model = resident_backend(monkeypatch, trace_mode="none")
+    backend.finish_decode(model, launch(backend, model, None))
+    out = backend.finish_decode(model, launch(backend, model, SEEDED, tokens=(1, 2, 0, 0), positions=(4, 8, -1, -1)))
+    backend.finish_decode(model, launch(backend, model, SEEDED, tokens=(3, 4, 0, 0), positions=(5, 9, -1, -1)))
+    assert [c["reset_batch"] for c in ttnn.recorder.only("model.decode_forward")] == [True, True, False]
+    assert out.reshape(-1).tolist()[0] == (next_token(1, 4, 64) + 1234) % 64
+
+
+def test_the_contract_fake_refuses_what_the_contract_refuses(monkeypatch):
+    backend, ttnn, model = resident_backend(monkeypatch, model={"decode_contract": 1}, trace_mode="none")
+    commands = {"reload_inputs": False, "reload_page_table": False, "reload_sampling_params": False,
+                "reset_sampling_state": False}
+    with pytest.raises(ValueError, match="Non-traced decode rebuilds"):
+        model.decode_forward(**step(), sampling_params=greedy(), enable_trace=False, **commands)
+    with pytest.raises(ValueError, match="reset_sampling_state needs authoritative"):
+        model.decode_forward(**step(), sampling_params=greedy(), **{**commands, "reset_sampling_state": True})
+    with pytest.raises(ValueError, match="predates it"):
+        model.decode_forward(**step(), **{**commands, "reload_inputs": True}, reset_batch=True)
 
 
 def test_device_sampling_params_are_tt_metals_with_a_seed_per_row(monkeypatch):

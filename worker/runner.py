@@ -119,6 +119,16 @@ class KvLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # Tensors a layer caches per token and head: K and V (2), or one compressed latent (1) for
+    # multi-head latent attention (DeepSeek V2/V3's MLA caches [kv_lora_rank | qk_rope_head_dim]).
+    tensors_per_layer: int = 2
+
+
+def latent_attention(hf_config: dict) -> bool:
+    """Whether the checkpoint uses multi-head latent attention (MLA), as vLLM decides it: a
+    config declaring `kv_lora_rank` (vLLM's `use_mla` for its Transformers backend; its native rule,
+    `is_deepseek_mla`, also asks for one of the DeepSeek-like model types, which all declare it)."""
+    return hf_config.get("kv_lora_rank") is not None
 
 
 class ModelRunner:
@@ -262,13 +272,24 @@ class ModelRunner:
         """Prefill lengths with a captured trace (empty: any length runs, eagerly)."""
         return sorted(getattr(self.model, "traced_prefill", ()) or ())
 
-    def _kv_layout(self, config: ServingConfig) -> KvLayout:
+    def _kv_heads_and_dim(self) -> tuple[int, int, int]:
+        """(KV heads, head size, tensors cached per layer) of the KV cache, as the plugin sizes
+        it through vLLM's `get_num_kv_heads` / `get_head_size`. MLA caches one latent head of
+        kv_lora_rank + qk_rope_head_dim per token (vLLM: "when using MLA during decode it becomes
+        MQA"; tt-metal's DeepSeek V3 cache is (blocks, 1, block_size, kvpe_dim), mla1d.py
+        `create_state`), whatever num_key_value_heads and head_dim the config also states."""
         c = self.hf_config
+        if latent_attention(c):
+            return 1, int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim") or 0), 1
         num_heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // num_heads)
-        num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        return int(c.get("num_key_value_heads", num_heads)), head_dim, 2
+
+    def _kv_layout(self, config: ServingConfig) -> KvLayout:
+        c = self.hf_config
+        num_kv_heads, head_dim, tensors = self._kv_heads_and_dim()
         num_layers = int(c["num_hidden_layers"])
-        bytes_per_block = (num_layers * 2 * num_kv_heads * self.block_size * head_dim
+        bytes_per_block = (num_layers * tensors * num_kv_heads * self.block_size * head_dim
                            * torch.empty((), dtype=self.dtype).element_size())
         wanted = -(-config.max_num_seqs * config.max_model_len // self.block_size)
         # On a mesh the model states its budget; the sim's profile fixes one; else bytes decide.
@@ -276,12 +297,12 @@ class ModelRunner:
                  or self.options.kv_tokens_per_lane)
         if fixed:
             return KvLayout(min(wanted, -(-fixed // self.block_size)), self.block_size,
-                            num_layers, num_kv_heads, head_dim)
+                            num_layers, num_kv_heads, head_dim, tensors)
         affordable = self.kv_cache_bytes // (bytes_per_block * config.num_lanes)
         if affordable < 1:
             raise ValueError(f"--kv-cache-memory-bytes {self.kv_cache_bytes} cannot hold one KV block "
                              f"({bytes_per_block * config.num_lanes} bytes over {config.num_lanes} lanes)")
-        return KvLayout(min(wanted, affordable), self.block_size, num_layers, num_kv_heads, head_dim)
+        return KvLayout(min(wanted, affordable), self.block_size, num_layers, num_kv_heads, head_dim, tensors)
 
     # ---- steps ---------------------------------------------------------------------------
     def reset(self) -> None:
@@ -429,7 +450,10 @@ class ModelRunner:
         if on_device:
             sampled = out
         else:
-            logits = out.reshape(len(chunks), -1)
+            # [B, V], or [B, S, V] with each row's next-token logits last: tt-metal generators
+            # return [B, 1, V]; DeepSeek V3's returns every position, each row cut to its prompt and
+            # padded by repeating its last real row (the plugin reads tt_out[rows, -1, :]).
+            logits = (out[:, -1, :] if out.dim() == 3 else out).reshape(len(chunks), -1)
             sampled = sample(logits, sampling)
             logprobs = gather_logprobs(logits, sampled, sampling)
         tokens = {c.request_id: int(t) for c, t in zip(chunks, sampled.tolist()) if c.sample}

@@ -14,7 +14,8 @@ What it models of the device, as tt-metal's generator and model do it:
 - Tokens. The token after (token, position) is `next_token`; a row whose SamplingParams has a
   temperature above 0 adds the seed the device was given at its last `reset_batch`. Host
   sampling gets logits whose argmax (by a wide margin) is that token.
-- Device-resident decode inputs. A traced decode keeps one set of inputs per sampling mode
+- Device-resident decode inputs (the legacy generator; `decode_contract` below replaces the
+  inference with commands). A traced decode keeps one set of inputs per sampling mode
   (the trace's input tensors). With device sampling the sampled token is written into the token
   input and each position >= 0 advances by one, on the device. Host `tokens`/`start_pos` are
   copied in only when `reset_batch`, a prefill ran since the last decode, the step samples on
@@ -33,11 +34,28 @@ What it models of the device, as tt-metal's generator and model do it:
 - The device sampler keeps at most 32 candidates: tt-metal's format_sampling_params turns a
   top_k below 1 or above 32 into 32 (models/common/sampling); `clamped_top_k` lists the rows
   it did that to, which sample from another distribution than the one asked for.
-- `decode_contract=1` mirrors the adapters that declare `decode_input_update_contract = 1`
-  (tt-metal models/common/decode_contract.py): each decode takes the four commands
-  reload_inputs, reload_page_table, reload_sampling_params, reset_sampling_state, refuses the
+- `token_feedback` is the model's `_tt_supports_decode_token_feedback` (tt-metal's models set it
+  False where the sampled token cannot be written into the traced token input): without it a
+  traced device-sampled decode advances its positions but leaves the token input as it was.
+- `decode_contract=N` (N >= 1) mirrors the adapters that declare `decode_input_update_contract =
+  N` (tt-metal models/common/decode_contract.py @ 40f4746; versions above 1 are supersets of 1,
+  vllm-tt-plugin docs/DECODE_RELOAD_CONTRACT.md @ 1f10755). Each decode takes the four commands
+  reload_inputs, reload_page_table, reload_sampling_params, reset_sampling_state and executes
+  exactly them, inferring nothing (no sampling-mode, prefill or page-table checks of its own):
+  the trace inputs (one set per sampling mode) are restaged only on reload_inputs, the page
+  table alone on reload_page_table, else the decode runs on what they hold (a page table that
+  differs from the host's is recorded as `model.stale_page_table`); sampling parameters are
+  uploaded only on reload_sampling_params and seeds set only on it or reset_sampling_state, and
+  a device-sampled decode samples with what was uploaded (`model.stale_sampling_params` when
+  that is not what the call passed). It refuses (ValueError) what the contract refuses: the
   legacy `reset_batch` ("reset_batch is not part of the decode input-update contract ...") and
-  reload_page_table together with reload_inputs.
+  reload_page_table together with reload_inputs (decode_contract.py); reload_inputs=False
+  untraced ("Non-traced decode rebuilds ...") and, sampling on the device, on a model without
+  token feedback ("... no on-device decode token feedback"), as tt-metal's Generator.decode_forward
+  does in tt-metal's host test of the contract (search index file 60664309466); and
+  reset_sampling_state without reload_inputs, or host sampling without reload_inputs, which the
+  plugin's document (@ 1f10755) rules out ("reset_sampling_state implies reload_inputs"; host
+  sampling "fully reloads forward inputs").
 """
 from __future__ import annotations
 
@@ -92,13 +110,14 @@ def q_chunk_size(padded_len: int) -> int:
 
 
 def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, vocab_size: int = 64,
-                     takes_reset_batch: bool = True, decode_contract: int = 0) -> type:
+                     takes_reset_batch: bool = True, decode_contract: int = 0, token_feedback: bool = True) -> type:
     recorder = ttnn.recorder
 
     class FakeTtModel:
         model_capabilities = {"supports_prefix_caching": True,
                               "supports_async_decode": supports_async_decode,
                               "supports_sample_on_device": True}
+        _tt_supports_decode_token_feedback = token_feedback
 
         def __init__(self, mesh_device: Any, max_batch_size: int) -> None:
             self.mesh_device = mesh_device
@@ -226,16 +245,28 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
             self._clamp_top_k(sampling_params, tokens.shape[0])
             inputs, source = self._decode_inputs(tokens, start_pos, page_table, enable_trace, on_device,
                                                  reset_batch)
+            self._record_decode(tokens, start_pos, page_table, enable_trace, read_from_device, sampling_params,
+                                reset_batch, source)
+            if on_device and reset_batch:
+                self.seeds = list(sampling_params.seed)
+            return self._run_decode(inputs, enable_trace, read_from_device, on_device, sampling_params)
+
+        def _record_decode(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: torch.Tensor,
+                           enable_trace: bool, read_from_device: bool, sampling_params: Any,
+                           reset_batch: bool | None, source: str) -> None:
             recorder.add("model.decode_forward", tokens=tokens.reshape(-1).tolist(), start_pos=start_pos.tolist(),
                          page_table=page_table.clone(), enable_trace=enable_trace,
                          read_from_device=read_from_device, sampling_params=sampling_params,
                          reset_batch=reset_batch, inputs=source)
-            if on_device and reset_batch:
-                self.seeds = list(sampling_params.seed)
-            values = [self._sample(token, position, row, sampling_params) if position >= 0 else 0
+
+        def _run_decode(self, inputs: TraceInputs, enable_trace: bool, read_from_device: bool, on_device: bool,
+                        device_params: Any) -> Any:
+            """Samples each row with the parameters the device holds (`device_params`)."""
+            values = [self._sample(token, position, row, device_params) if position >= 0 else 0
                       for row, (token, position) in enumerate(zip(inputs.tokens, inputs.positions))]
             if enable_trace and on_device:
-                inputs.tokens = list(values)   # the sampler writes into the trace's token input
+                if self._tt_supports_decode_token_feedback:
+                    inputs.tokens = list(values)   # the sampler writes into the trace's token input
                 inputs.positions = [p + 1 if p >= 0 else p for p in inputs.positions]
             if enable_trace:
                 out = self.trace_output.setdefault(on_device, FakeDeviceTensor([], on_device))
@@ -258,32 +289,71 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
             out = torch.tensor(tt_out.values).reshape(-1, 1) if is_tokens else self._logits(tt_out.values)
             return out, torch.ones(out.shape[0])
 
-    if decode_contract == 1:
+    if decode_contract >= 1:
         class ContractFakeTtModel(FakeTtModel):
-            """An adapter of the decode input-update contract, version 1."""
-            decode_input_update_contract = 1
+            """An adapter of the decode input-update contract, version `decode_contract`."""
+            decode_input_update_contract = decode_contract
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.device_params: Any = None   # uploaded at the last reload_sampling_params
 
             def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: Any = None,
                                kv_cache: Any = None, enable_trace: bool = True, read_from_device: bool = True,
                                sampling_params: Any = None, *, reload_inputs: bool, reload_page_table: bool,
                                reload_sampling_params: bool, reset_sampling_state: bool, **kwargs: Any) -> Any:
+                name = type(self).__name__
+                on_device = sampling_params is not None
                 if "reset_batch" in kwargs:  # decode_contract.reject_legacy_reload_signal
                     raise ValueError(f"reset_batch is not part of the decode input-update contract; the vLLM "
-                                     f"build driving {type(self).__name__} predates it. Upgrade the vLLM pin to a "
+                                     f"build driving {name} predates it. Upgrade the vLLM pin to a "
                                      "build that sends reload_inputs / reload_page_table / "
                                      "reload_sampling_params / reset_sampling_state.")
                 if reload_inputs and reload_page_table:  # decode_contract.decode_input_staging
                     raise ValueError("reload_page_table is the page-table-only copy and is meaningless with "
                                      "reload_inputs=True, which already restages page tables")
-                changed = self.prev_page_table is None or not torch.equal(self.prev_page_table, page_table)
-                if enable_trace and changed and not (reload_inputs or reload_page_table):
-                    recorder.add("model.stale_page_table")  # the trace would read the old block table
+                if not reload_inputs:
+                    if reset_sampling_state:
+                        raise ValueError("reset_sampling_state needs authoritative tokens and positions "
+                                         "(reload_inputs=True)")
+                    if not enable_trace:
+                        raise ValueError("Non-traced decode rebuilds every input from the host; it "
+                                         "requires reload_inputs=True")
+                    if not on_device:
+                        raise ValueError("host sampling requires authoritative tokens and positions "
+                                         "(reload_inputs=True)")
+                    if not self._tt_supports_decode_token_feedback:
+                        raise ValueError(f"{name} has no on-device decode token feedback, so a decode on its "
+                                         "resident inputs would replay the previous token; it requires "
+                                         "reload_inputs=True")
                 recorder.add("model.decode_commands", reload_inputs=reload_inputs,
                              reload_page_table=reload_page_table, reload_sampling_params=reload_sampling_params,
                              reset_sampling_state=reset_sampling_state)
-                # The commands say what the older generator inferred: a full reload is a reset.
-                return super().decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace,
-                                              read_from_device, sampling_params, reset_batch=reload_inputs)
+                self._clamp_top_k(sampling_params, tokens.shape[0])
+                self.mode = "decode"
+                host = TraceInputs(tokens.reshape(-1).tolist(), start_pos.tolist(), page_table.clone())
+                if not enable_trace or reload_inputs:
+                    inputs, source = host, "host"
+                    if enable_trace:
+                        self.trace_inputs[on_device] = host
+                else:
+                    inputs = self.trace_inputs.get(on_device)
+                    assert inputs is not None, "reload_inputs=False before any inputs were staged in this trace"
+                    source = "device"
+                    if reload_page_table:
+                        inputs.page_table, source = host.page_table, "device+page_table"
+                    elif not torch.equal(inputs.page_table, host.page_table):
+                        recorder.add("model.stale_page_table")  # the trace reads the old block table
+                self._record_decode(tokens, start_pos, page_table, enable_trace, read_from_device, sampling_params,
+                                    None, source)
+                if on_device and reload_sampling_params:
+                    self.device_params = sampling_params
+                if on_device and (reload_sampling_params or reset_sampling_state):
+                    self.seeds = list(sampling_params.seed)
+                if on_device and self.device_params != sampling_params:
+                    recorder.add("model.stale_sampling_params", uploaded=self.device_params, passed=sampling_params)
+                return self._run_decode(inputs, enable_trace, read_from_device, on_device,
+                                        self.device_params if on_device else None)
 
         return ContractFakeTtModel
 

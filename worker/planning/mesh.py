@@ -15,13 +15,15 @@ WORMHOLE, BLACKHOLE = "wormhole", "blackhole"
 # The 32-chip Galaxy systems are opened as (8, 4), as the vLLM plugin's worker does.
 GALAXY_GRID = (8, 4)
 
-# name -> (rows, cols, arch, is_galaxy)
-PRESETS: dict[str, tuple[int, int, str, bool]] = {
+# name -> (rows, cols, arch, is_galaxy); arch None: the host's. The plugin's parse_mesh_grid maps
+# TG to the Galaxy grid with no architecture check, and its README runs Qwen3-32B on a Blackhole
+# Galaxy with MESH_DEVICE=TG: TG names the 32-chip Galaxy of either architecture.
+PRESETS: dict[str, tuple[int, int, str | None, bool]] = {
     "N150": (1, 1, WORMHOLE, False),
     "N300": (1, 2, WORMHOLE, False),
     "N150x4": (1, 4, WORMHOLE, False),
     "T3K": (1, 8, WORMHOLE, False),
-    "TG": (*GALAXY_GRID, WORMHOLE, True),
+    "TG": (*GALAXY_GRID, None, True),
     "P100": (1, 1, BLACKHOLE, False),
     "P150": (1, 1, BLACKHOLE, False),
     "P150x2": (1, 2, BLACKHOLE, False),
@@ -94,8 +96,9 @@ def resolve_mesh(mesh_device: str | None, num_devices: int, *, arch: str | None 
     """The mesh to open, checked against the `num_devices` this host makes available.
 
     `arch` and `is_galaxy` are what the host reports (ttnn's arch name and cluster type); a preset
-    carries its own and must agree with `arch` when given. For a grid or an unset MESH_DEVICE the
-    arch defaults to wormhole and a 32-chip grid counts as a Galaxy.
+    carries its own arch and must agree with `arch` when given, except TG, which takes the host's.
+    For TG, a grid or an unset MESH_DEVICE the arch defaults to wormhole and a 32-chip grid counts
+    as a Galaxy.
     """
     host_arch = normalize_arch(arch)
     if mesh_device is None or not mesh_device.strip():
@@ -105,7 +108,9 @@ def resolve_mesh(mesh_device: str | None, num_devices: int, *, arch: str | None 
                         bool(is_galaxy) if is_galaxy is not None else num_devices == 32)
     elif mesh_device in PRESETS:
         rows, cols, preset_arch, galaxy = PRESETS[mesh_device]
-        if host_arch is not None and host_arch != preset_arch:
+        if preset_arch is None:
+            preset_arch = host_arch or WORMHOLE
+        elif host_arch is not None and host_arch != preset_arch:
             raise MeshError(f"MESH_DEVICE={mesh_device} is a {preset_arch.title()} mesh, but this host's "
                             f"chips are {host_arch.title()}")
         spec = MeshSpec(mesh_device, rows, cols, preset_arch, galaxy)
@@ -140,10 +145,13 @@ def mesh_from_env(environ: Mapping[str, str], num_devices: int, *, arch: str | N
 def default_fabric(spec: MeshSpec, cluster: str | None = None) -> str | None:
     """The fabric a mesh runs with when the user names none (None: no fabric).
 
-    As the plugin's worker.py chooses it: from the host's cluster type (ttnn.cluster.
-    get_cluster_type()), not the mesh's shape, so a T3K-shaped submesh on a Galaxy host still
-    gets the Galaxy's ring. Without a cluster type (a plan made off the hardware) the mesh's own
-    kind stands in for it.
+    As the plugin's worker.py (get_fabric_config) chooses it: from the host's cluster type
+    (ttnn.cluster.get_cluster_type()), not the mesh's shape, so a T3K-shaped submesh on a Galaxy
+    host still gets the Galaxy's ring. Only ClusterType.GALAXY (the 6U Wormhole Galaxy) gets the
+    ring and BLACKHOLE_GALAXY the 2D torus; every other cluster, the 4U Galaxy (ClusterType.TG,
+    whose links tt-metal's Galaxy models run as a line) included, gets FABRIC_1D. Without a
+    cluster type (a plan made off the hardware) the mesh's own kind stands in for it, a Wormhole
+    Galaxy mesh as the 6U GALAXY.
     """
     if spec.num_devices == 1:
         return None
@@ -151,7 +159,7 @@ def default_fabric(spec: MeshSpec, cluster: str | None = None) -> str | None:
         cluster = ("BLACKHOLE_GALAXY" if spec.arch == BLACKHOLE else "GALAXY") if spec.is_galaxy else ""
     if cluster == "BLACKHOLE_GALAXY":
         return "FABRIC_2D_TORUS_XY"
-    if cluster in ("GALAXY", "TG"):
+    if cluster == "GALAXY":
         return "FABRIC_1D_RING"
     return "FABRIC_1D"
 

@@ -224,7 +224,9 @@ def _plan_ttnn(plan: WorkerPlan, env: Mapping[str, str], serving: Serving | None
     if plan.environment.problem:
         plan.refuse(plan.environment.problem)
     plan.say("environment", "; ".join(plan.environment.notes) or "the model reads no checkpoint variable")
-    if family.imports_vllm:
+    # Read from the module's own source: tt_transformers' generator_vllm imports vLLM at its top,
+    # today's Galaxy one does not. A module not found here is not judged; its import says why.
+    if family.imports_vllm is True:
         import importlib.util
         if importlib.util.find_spec("vllm") is None:
             from ..backends.ttnn.tt_models import VLLM_FIX

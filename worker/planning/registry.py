@@ -41,8 +41,10 @@ log = logging.getLogger("ttserve.worker.registry")
 BACKENDS = ("torch", "ttnn")
 
 # What the runner calls on a model class and its instances (tt-metal's generator contract).
+# process_decode_output_host is optional: the plugin calls it only for decode output that is not
+# already a host tensor (async_decode.py finalize_decode @e3fc849); DeepSeek V3's class has none.
 CONTRACT_METHODS = ("initialize_vllm_model", "allocate_kv_cache", "prefill_forward", "decode_forward",
-                    "read_decode_output", "process_decode_output_host")
+                    "read_decode_output")
 
 METADATA_FILE = "vllm_metadata.json"
 

@@ -36,9 +36,24 @@ as tt-metal's models implement it and the TT vLLM plugin drives it:
   1161). Readbacks are finalized exactly once (async_decode.py:75-90: a second readback of one
   submission corrupts it).
 So `TtnnBackend` tracks what the device's decode inputs hold (`DecodeInputs`) and, per step,
-either lets the model run on them (`reset_batch=False`, carried rows are placeholders) or reads
-the previous decode back first (once: `PendingDecode.read`) and uploads real tokens
-(`reset_batch=True`).
+either lets the model run on them (`reset_batch=False`) or reads the previous decode back first
+(once: `PendingDecode.read`) and uploads real tokens (`reset_batch=True`). A carried row's host
+token stays a placeholder only while the previous decode is still on the device, which only a
+model declaring `supports_async_decode` is given (the runner pipelines nothing else); a token
+already on the host is always filled in, for a generator that reloads on its own.
+
+Where the decode input-update contract differs (tt-metal models/common/decode_contract.py; the
+plugin at 1f10755, docs/DECODE_RELOAD_CONTRACT.md and async_decode.py `plan_decode_reload`): an
+adapter declaring `decode_input_update_contract >= 1` (versions above 1 are supersets) gets four
+commands instead of `reset_batch` and infers nothing itself. `reload_inputs` is False only for a
+traced, device-sampled decode continuing the last one on a model that declares
+`supports_async_decode` (the capability is fail-closed: without it every decode reloads);
+`reload_page_table` then copies a changed page table alone; `reload_sampling_params` and
+`reset_sampling_state` come with a device-sampled transition (first decode, a prefill since, the
+rows or the sampling mode changed), traced or not. A legacy adapter keeps the behaviour above
+whatever its capabilities, as the plugin's legacy path does (its capability only gates the
+overlap), except that an untraced switch to device sampling resets its batch here too, so the
+seeds reach the device.
 """
 from __future__ import annotations
 
@@ -77,9 +92,11 @@ class DecodeInputs:
     """What the last decode left in the model's decode inputs, for the next decode to compare."""
     active: torch.Tensor                 # [rows] bool: rows with a position
     page_table: torch.Tensor             # the page table it ran on (empty rows zeroed)
+    on_device: bool                      # it sampled on the device (a change is a transition)
     # Each active row's position + 1 (empty rows -1): the positions the trace's inputs hold now,
-    # when the decode was traced, sampled on the device and the model takes `reset_batch`; None:
-    # the inputs hold nothing a decode may run on (the host reloads them).
+    # when the decode was traced, sampled on the device and the model takes a reload signal
+    # (`reset_batch` or the contract's commands); None: the inputs hold nothing a decode may
+    # run on (the host reloads them).
     next_positions: torch.Tensor | None
 
 
@@ -90,7 +107,8 @@ class TtnnBackend:
     Invariant: `_inputs` is None after warmup, a prefill (it switches the generator's mode, and
     its next decode reloads from the host) and a new step stream; else it describes the last
     decode. `_inputs.next_positions` is not None exactly when the model's trace inputs hold the
-    inputs of a decode that continues the last one.
+    inputs of a decode that continues the last one; `_keeps_inputs` says whether a decode may
+    also rely on them (`keeps_decode_inputs`).
     """
 
     # tt-metal's vision classes drop sampling_params in prefill and return logits
@@ -137,7 +155,8 @@ class TtnnBackend:
     @property
     def resident_tokens(self) -> bool:
         """A decode may take the previous one's tokens from the device: only a traced decode of
-        a model that takes `reset_batch` (`keeps_decode_inputs`)."""
+        a model that takes a reload signal and declares `supports_async_decode`
+        (`keeps_decode_inputs`)."""
         return self._keeps_inputs
 
     def lanes_in_process(self, model_cls: type) -> bool:
@@ -274,27 +293,39 @@ class TtnnBackend:
     def keeps_decode_inputs(self, model: Any) -> bool:
         """Whether `model` can run a decode on the inputs the previous one left on the device:
         only a traced decode keeps them (an untraced one uploads the host tensors every step),
-        and only a `decode_forward` that takes `reset_batch` can be told when they are stale."""
-        return self.trace.decode and _takes_reset_batch(type(model))
+        only a `decode_forward` that takes `reset_batch` (or the contract's commands) can be told
+        when they are stale, and only a model declaring `supports_async_decode` feeds its sampled
+        tokens back into them (fail-closed, as the plugin: tt-metal's generator refuses
+        `reload_inputs=False` for a model without on-device token feedback, and such a model
+        leaves the capability off)."""
+        capabilities = getattr(model, "model_capabilities", None) or {}
+        return (self.trace.decode and _takes_reset_batch(type(model))
+                and bool(capabilities.get("supports_async_decode", False)))
 
     def launch_decode(self, model: Any, sampling_params: Any, *, tokens: torch.Tensor, start_pos: torch.Tensor,
                       page_table: torch.Tensor, kv_cache: Any, previous: torch.Tensor | PendingDecode | None = None,
                       carried_rows: Sequence[int] = (), **inputs: Any) -> PendingDecode:
         """Launches a decode whose `carried_rows` take the previous decode's tokens.
 
-        When the device's inputs are this step's (same rows, each one position further, the last
-        decode sampled on the device and so does this one) the model runs on them with
-        `reset_batch=False` and the carried rows' host tokens stay placeholders, as the plugin's
-        steady decode does. Otherwise the previous decode is read back first (an early, single
-        readback, like the plugin's drain) and the model reloads everything from the host
-        (`reset_batch=True`). Untraced or host-sampled decodes upload the host tensors anyway;
-        they get `reset_batch` only when the rows changed, so device seeds are not re-applied
-        every step. Empty rows (position -1) get a zeroed page-table row, as in the plugin.
+        A transition (the first decode, one after a prefill or `reset`, changed rows, or a
+        change between host and device sampling) reloads everything from the host and, sampled
+        on the device, the sampling parameters and state. The device's inputs continue the last
+        decode when there is no transition, each row is one position further, and the last
+        decode and this one are traced and sampled on the device. A legacy generator then runs
+        on them (`reset_batch=False`); a contract adapter only when `keeps_decode_inputs`
+        (`reload_inputs=False`), and only then may the carried rows' tokens still be on the
+        device (placeholders on the host). Otherwise a previous decode still on the device is
+        read back first (an early, single readback, like the plugin's drain) and the inputs
+        reload from the host. Untraced or host-sampled decodes upload the host tensors anyway;
+        they get `reset_batch` only on a transition (host-sampled: only when the rows changed),
+        so device seeds are not re-applied every step. Empty rows (position -1) get a zeroed
+        page-table row, as in the plugin.
 
         A continuing row's explicit token is the one this device sampled (the control plane
-        feeds back the worker's own tokens), so the model may ignore it. The model must refresh
-        only its page table when that alone changes (tt-metal's generator does; the plugin
-        relies on it too: a block appended in steady decode does not reset its batch).
+        feeds back the worker's own tokens), so the model may ignore it; a carried row's token
+        already on the host is filled in all the same. The model must refresh only its page
+        table when that alone changes (tt-metal's generator does; the plugin relies on it too:
+        a block appended in steady decode does not reset its batch).
 
         The readback is enqueued right after the step, before any later step can overwrite the
         trace's output.
@@ -304,30 +335,38 @@ class TtnnBackend:
         last = self._inputs
         active = start_pos >= 0
         on_device = sampling_params is not None
-        resident = (on_device and last is not None and last.next_positions is not None
-                    and torch.equal(start_pos, last.next_positions))
-        if carried_rows and not resident:
+        rows_changed = last is None or not torch.equal(active, last.active)
+        transition = rows_changed or last.on_device != on_device
+        continues = (on_device and not transition and last.next_positions is not None
+                     and torch.equal(start_pos, last.next_positions))
+        resident = continues and self._keeps_inputs
+        on_device_pending = isinstance(previous, PendingDecode) and not previous.read
+        if carried_rows and not (resident and on_device_pending):
             rows = list(carried_rows)
             tokens[rows, 0] = self._host_tokens(model, previous)[rows].to(tokens.dtype)
-        rows_changed = last is None or not torch.equal(active, last.active)
-        reset = not resident if on_device and self.trace.decode else rows_changed
+        # A legacy generator's reset_batch: a traced device-sampled decode resets unless it
+        # continues; an untraced one on a transition (so seeds reach the device after host
+        # sampling); a host-sampled one reloads anyway and resets when the rows changed.
+        reset = (not continues if self.trace.decode else transition) if on_device else rows_changed
         table = page_table.masked_fill(~active[:, None], 0)
         table_changed = last is None or not torch.equal(table, last.page_table)
 
         assert self._in_flight < MAX_DECODES_IN_FLIGHT, "finish a decode before launching a third"
-        commands = _decode_commands(model, reset, resident, table_changed, sampling_params)
+        commands = _decode_commands(model, reset, resident, table_changed, sampling_params, transition)
         with device_errors("decode"):
             out = model.decode_forward(tokens=tokens, start_pos=start_pos, page_table=table, kv_cache=kv_cache,
                                        **inputs, **commands, sampling_params=sampling_params,
                                        enable_trace=self.trace.decode, read_from_device=False)
             host_out, events = model.read_decode_output(out, async_read=True)
         self._in_flight += 1
-        self._inputs = DecodeInputs(active, table, torch.where(active, start_pos + 1, start_pos)
-                                    if on_device and self._keeps_inputs else None)
+        tracked = on_device and self.trace.decode and _takes_reset_batch(type(model))
+        self._inputs = DecodeInputs(active, table, on_device,
+                                    torch.where(active, start_pos + 1, start_pos) if tracked else None)
         # device_out is not kept: a carried row reads the trace's inputs, never this output.
         return PendingDecode(None, host_out, list(events), on_device)
 
     def _host_tokens(self, model: Any, previous: torch.Tensor | PendingDecode | None) -> torch.Tensor:
+        assert previous is not None, "carried rows without a previous decode"
         if isinstance(previous, PendingDecode):
             return self._read_back(model, previous).reshape(-1)
         return previous
@@ -340,8 +379,18 @@ class TtnnBackend:
             with device_errors("decode readback"):
                 for event in pending.events:
                     self.ttnn.event_synchronize(event)
-                pending.result = host_output(
-                    model.process_decode_output_host(pending.host_out, is_tokens=pending.is_tokens))
+                out = pending.host_out
+                # As the plugin (async_decode.py finalize_decode @e3fc849): a result already on the
+                # host (a tensor, or a tuple of tensors) is used as it is; anything else goes
+                # through process_decode_output_host, which a model returning device tensors must have.
+                if not is_host_output(out):
+                    process = getattr(model, "process_decode_output_host", None)
+                    if process is None:
+                        raise AttributeError(f"{type(model).__name__} returned decode output of type "
+                                             f"{type(out).__name__}, not a host tensor, and has no "
+                                             "process_decode_output_host to read it back")
+                    out = process(out, is_tokens=pending.is_tokens)
+                pending.result = host_output(out)
             pending.read = True
         return pending.result
 
@@ -360,6 +409,13 @@ class TtnnBackend:
         self._inputs = None
 
 
+def is_host_output(out: Any) -> bool:
+    """A torch tensor, or a tuple of them (None allowed), as the plugin's _is_host_decode_output."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return isinstance(out, tuple) and all(t is None or isinstance(t, torch.Tensor) for t in out)
+
+
 def host_output(out: Any) -> Any:
     """The token ids or logits of a host result: newer tt-metal generators return
     (tokens or logits, log-probs), older ones the tensor alone (the plugin unpacks both,
@@ -367,23 +423,24 @@ def host_output(out: Any) -> Any:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _decode_commands(model: Any, reset_batch: bool | None, inputs_resident: bool, page_table_changed: bool,
-                     sampling_params: Any) -> dict[str, bool]:
+def _decode_commands(model: Any, reset_batch: bool, inputs_resident: bool, page_table_changed: bool,
+                     sampling_params: Any, transition: bool) -> dict[str, bool]:
     """How a decode tells the model which of its device-resident inputs are stale.
 
-    Adapters of the decode input-update contract (`decode_input_update_contract = 1`, tt-metal
-    models/common/decode_contract.py) take four explicit commands and refuse the legacy
-    `reset_batch`: the host inputs reload unless the decode runs on the ones the last decode left
-    on the device (`inputs_resident`); then only a changed page table is copied (a full reload
-    restages it anyway); sampling parameters and state reload with a reset device-sampled batch.
+    Adapters of the decode input-update contract (`decode_input_update_contract >= 1`, tt-metal
+    models/common/decode_contract.py; a later version is a superset of version 1, as the plugin
+    reads it) take four explicit commands and refuse the legacy `reset_batch`: the host inputs
+    reload unless the decode runs on the ones the last decode left on the device
+    (`inputs_resident`); then only a changed page table is copied (a full reload restages it
+    anyway); sampling parameters and state reload on a device-sampled `transition` (which always
+    reloads the inputs too: a sampler may align its seeds to the host positions only then).
     Older generators take `reset_batch` (or not at all) and notice a changed page table themselves.
     """
-    if _input_update_contract(type(model)) == 1:
-        sampling = bool(reset_batch) and sampling_params is not None
+    if _input_update_contract(type(model)) >= 1:
+        sampling = transition and sampling_params is not None
+        assert not sampling or not inputs_resident, "a sampling reset needs authoritative inputs"
         return {"reload_inputs": not inputs_resident, "reload_page_table": inputs_resident and page_table_changed,
                 "reload_sampling_params": sampling, "reset_sampling_state": sampling}
-    if reset_batch is None:
-        return {}
     if not _takes_reset_batch(type(model)):
         if reset_batch:
             log.debug("%s.decode_forward takes no reset_batch; its inputs reload on their own",
@@ -401,7 +458,7 @@ def _input_update_contract(model_cls: type) -> int:
 def _takes_reset_batch(model_cls: type) -> bool:
     """Asked every decode step: inspect.signature costs tens of µs, so once per model class. An
     adapter of the input-update contract is told the same through its own commands."""
-    return _input_update_contract(model_cls) == 1 or _takes_keyword(model_cls.decode_forward, "reset_batch")
+    return _input_update_contract(model_cls) >= 1 or _takes_keyword(model_cls.decode_forward, "reset_batch")
 
 
 def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
