@@ -98,6 +98,24 @@ def restart_control(stack) -> None:
     stack.services[1] = Service(control.name, control.args, control.log_path).start()
 
 
+def caught_by(stream, n: int, fault) -> dict:
+    """Runs `stream(i, started, out)` for i < n on threads, calls `fault()` once every stream has
+    its first tokens (each sets its `started`), and returns `out` when all have ended."""
+    import threading
+
+    results: dict = {}
+    started = [threading.Event() for _ in range(n)]
+    threads = [threading.Thread(target=stream, args=(i, started[i], results)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for event in started:
+        assert event.wait(120), "a stream did not start"
+    fault()
+    for t in threads:
+        t.join(300)
+    return results
+
+
 def sixteen_streams_through(stack, model: str, lose) -> dict:
     """16 streams (greedy and seeded) run once undisturbed, then again with `lose(stack)` called
     once each has its first tokens. Every one must finish with its undisturbed tokens; returns
@@ -138,16 +156,7 @@ def sixteen_streams_through(stack, model: str, lose) -> dict:
     for t in threads:
         t.join()
     assert all(r[1] == ["length"] and len(r[0]) == MAX_TOKENS for r in references.values()), references
-    results: dict = {}
-    started = [threading.Event() for _ in range(16)]
-    threads = [threading.Thread(target=stream, args=(i, started[i], results)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for event in started:
-        assert event.wait(120), "a stream did not start"
-    lose(stack)
-    for t in threads:
-        t.join(300)
+    results = caught_by(stream, 16, lambda: lose(stack))
     failed = {i: r[1] for i, r in results.items() if r[1] != ["length"]}
     assert not failed, f"{failed}\n{stack.logs()}"
     mismatched = [i for i in range(16) if results[i][0] != references[i][0]]
@@ -379,16 +388,7 @@ def test_requests_with_images_resume_with_their_images_through_a_restarted_contr
         assert all(len(r[0]) == 1200 and r[2] == ["length"] for r in references.values()), references
         # Different images, different tokens: a resumption without its image would show.
         assert len({tuple(r[0]) for r in references.values()}) == 3, references
-        results: dict = {}
-        started = [threading.Event() for _ in range(3)]
-        threads = [threading.Thread(target=stream, args=(i, started[i], results)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for event in started:
-            assert event.wait(120), "a stream did not start"
-        restart_control(stack)
-        for t in threads:
-            t.join(300)
+        results = caught_by(stream, 3, lambda: restart_control(stack))
         assert results == references, f"{results}\n{stack.logs()}"
         assert metric(stack.control_metrics_url, "ttserve_request_resumptions_total", outcome="admitted") >= 1
     finally:
