@@ -28,8 +28,8 @@ from ttserve.worker.planning.registry import (
 
 LOGGER = "ttserve.worker.registry"
 
-TORCH_NAMES = ["TTLlamaForCausalLM", "TTMistralForCausalLM", "TTQwen2ForCausalLM", "TTQwen2_5_VLForConditionalGeneration",
-               "TTQwen3ForCausalLM"]
+# The reference models' architectures under TT names (worker/backends/torch/models).
+TORCH_NAMES = sorted(reg.tt_name(arch) for arch in REFERENCE_ARCHITECTURES)
 
 # A minimal class that speaks the generator contract (nothing runs through it here).
 CONTRACT_CLASS = '''
@@ -146,7 +146,8 @@ GALAXY = "models.demos.llama3_70b_galaxy.tt.generator_vllm"
 def test_ttnn_entries_are_listed_without_importing_tt_metal():
     registry = build_registry("ttnn", {})
     assert {"TTLlamaForCausalLM", "TTQwen2ForCausalLM", "TTQwen3ForCausalLM", "TTMistralForCausalLM",
-            "TTGptOssForCausalLM", "TTDeepseekV3ForCausalLM", *VISION_TARGETS} == set(registry.names())
+            "TTGptOssForCausalLM", "TTDeepseekV3ForCausalLM", *VISION_TARGETS, *PLUGIN_E3FC849_TARGETS} == \
+        set(registry.names())
     assert all(isinstance(e.target, str) for e in registry.entries.values())
     assert not [m for m in sys.modules if m == "models" or m.startswith("models.")]
     # Selecting one imports it: tt-metal is absent here, which is a clear error naming the module.
@@ -218,6 +219,277 @@ def test_the_selected_tt_metal_class_is_imported_when_resolved(tmp_path, monkeyp
     assert (arch, cls.__module__, cls.__name__) == ("LlamaForCausalLM", GALAXY, "LlamaForCausalLM")
     assert TT_TRANSFORMERS not in sys.modules
     assert registry.entry("LlamaForCausalLM").variant == "llama3_70b_galaxy"
+
+
+# --- the plugin's registrations at e3fc849 that ttserve lacked: Gemma 4 and Qwen 3.5/3.6 ------------
+# Classes from tests/fakes/tt_metal (each fake names the tt-metal file and version it mirrors).
+
+GEMMA4 = "models.demos.gemma4.tt.generator_vllm"
+QWEN36 = "models.demos.blackhole.qwen36.tt.qwen36_vllm"
+TT_TREE = Path(__file__).parent / "fakes" / "tt_metal"
+
+# vllm-tt-plugin @ e3fc849 platform.py:678-692 (TT_QWEN35_TEXT_VER) and :755-764.
+PLUGIN_E3FC849_TARGETS = {
+    "TTQwen3_5ForConditionalGeneration": f"{QWEN36}:Qwen36ForCausalLM",
+    "TTGemma4ForCausalLM": f"{GEMMA4}:Gemma4ForCausalLM",
+    "TTGemma4ForConditionalGeneration": f"{GEMMA4}:Gemma4ForCausalLM",
+    "TTGemma4UnifiedForConditionalGeneration": f"{GEMMA4}:Gemma4ForCausalLM",
+}
+
+
+@pytest.fixture
+def fake_tt_metal(monkeypatch):
+    """tests/fakes/tt_metal on sys.path, its modules imported afresh (isolated_imports drops them)."""
+    for name in [m for m in sys.modules if m == "models" or m.startswith("models.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(TT_TREE))
+
+
+def test_the_plugins_gemma4_and_qwen35_entries_are_registered():
+    registry = build_registry("ttnn", {})
+    assert {name: registry.entries[name].target for name in PLUGIN_E3FC849_TARGETS} == PLUGIN_E3FC849_TARGETS
+    assert registry.entry("Qwen3_5ForConditionalGeneration").variant == "qwen36_blackhole"
+    assert not [m for m in sys.modules if m == "models" or m.startswith("models.")]
+
+
+@pytest.mark.parametrize("arch, module, cls_name", [
+    ("Gemma4ForCausalLM", GEMMA4, "Gemma4ForCausalLM"),
+    ("Gemma4ForConditionalGeneration", GEMMA4, "Gemma4ForCausalLM"),
+    ("Gemma4UnifiedForConditionalGeneration", GEMMA4, "Gemma4ForCausalLM"),
+    ("TTGemma4ForConditionalGeneration", GEMMA4, "Gemma4ForCausalLM"),
+    ("Qwen3_5ForConditionalGeneration", QWEN36, "Qwen36ForCausalLM"),
+    ("TTQwen3_5ForConditionalGeneration", QWEN36, "Qwen36ForCausalLM"),
+])
+def test_each_new_architecture_resolves_to_the_plugins_class(fake_tt_metal, arch, module, cls_name):
+    resolved, cls = build_registry("ttnn", {}).resolve([arch])
+    assert (resolved, cls.__module__, cls.__name__) == (arch, module, cls_name)
+
+
+def test_an_unknown_qwen35_version_names_the_plugins_only_one():
+    with pytest.raises(RegistryError, match=r"TT_QWEN35_TEXT_VER='qwen35_galaxy'.*choose one of qwen36_blackhole$"):
+        build_registry("ttnn", {"TT_QWEN35_TEXT_VER": "qwen35_galaxy"})
+
+
+def test_gemma4_and_qwen36_import_vllm_gemma4_through_tt_transformers(fake_tt_metal):
+    from ttserve.worker.backends.ttnn.tt_models import module_imports_vllm
+    assert module_imports_vllm(QWEN36) is True   # at its own top
+    assert module_imports_vllm(GEMMA4) is True   # HybridAttentionForCausalLM's module imports it
+    assert not [m for m in sys.modules if m == "models" or m.startswith("models.")]
+
+
+# Refusals before any weight loads: ttserve serves every layer from one page table and one KV shape.
+
+PER_LAYER_ONLY_CLASS = '''
+class PerLayerOnly:
+    model_capabilities = {}
+
+    @classmethod
+    def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel=1):
+        return cls()
+
+    def allocate_kv_cache_per_layer(self, per_layer_specs):
+        return []
+
+    def prefill_forward(self, *args, page_tables_per_layer=None, **kwargs):
+        return None
+
+    def decode_forward(self, *args, page_tables_per_layer=None, **kwargs):
+        return None
+
+    def read_decode_output(self, out, async_read=False):
+        return out
+'''
+
+
+def test_a_class_with_only_a_per_layer_kv_cache_is_refused_naming_what_it_needs(tmp_path):
+    base = tmp_path / "bundles"
+    folder = write_bundle(base, "hybrid",
+                          {"arch": "HybridOnlyForCausalLM", "main_class": "per_layer_only:PerLayerOnly"},
+                          {"per_layer_only.py": PER_LAYER_ONLY_CLASS})
+    registry = build_registry("torch", {"EXTRA_MODELS_DIR": str(base)})
+    with pytest.raises(ModelLoadError) as e:
+        registry.resolve(["HybridOnlyForCausalLM"])
+    message = str(e.value)
+    assert str(folder) in message
+    for part in ("allocate_kv_cache_per_layer, no allocate_kv_cache", "page_tables_per_layer", "one page table"):
+        assert part in message, message
+
+
+def test_gemma4_with_its_hybrid_kv_cache_groups_switched_on_does_not_load(fake_tt_metal, monkeypatch):
+    # The real class reads the switch when its module is imported (generator_vllm.py @ 00b97ff1).
+    monkeypatch.setenv("GEMMA4_HYBRID_KV_CACHE_GROUPS", "1")
+    with pytest.raises(ModelLoadError) as e:
+        build_registry("ttnn", {}).resolve(["Gemma4ForConditionalGeneration"])
+    message = str(e.value)
+    assert "_HYBRID_KV_CACHE_GROUPS_ENABLED" in message and "unset GEMMA4_HYBRID_KV_CACHE_GROUPS" in message, message
+
+
+def test_gemma4_with_the_switch_off_loads_as_the_plugin_serves_it(fake_tt_metal, monkeypatch):
+    monkeypatch.setenv("GEMMA4_HYBRID_KV_CACHE_GROUPS", "0")
+    _, cls = build_registry("ttnn", {}).resolve(["Gemma4ForConditionalGeneration"])
+    assert cls._HYBRID_KV_CACHE_GROUPS_ENABLED is False
+    assert callable(cls.allocate_kv_cache) and callable(cls.allocate_kv_cache_per_layer)
+
+
+def gemma4_checkpoint(root: Path, arch: str = "Gemma4ForConditionalGeneration", **text) -> Path:
+    """A gemma-4-31B-it-shaped config.json (tt-metal models/demos/gemma4/configs), 4 layers."""
+    folder = root / "gemma-4-it"
+    folder.mkdir(parents=True)
+    text_config = {"model_type": "gemma4_text", "head_dim": 256, "global_head_dim": 512, "num_key_value_heads": 16,
+                   "num_global_key_value_heads": 4, "num_attention_heads": 32, "hidden_size": 512,
+                   "intermediate_size": 1024, "num_hidden_layers": 4, "vocab_size": 64, "sliding_window": 1024,
+                   "max_position_embeddings": 262144,
+                   "layer_types": ["sliding_attention"] * 3 + ["full_attention"], **text}
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": [arch], "model_type": "gemma4", "text_config": text_config, "eos_token_id": [1, 106],
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 64}}))
+    return folder
+
+
+def qwen35_checkpoint(root: Path) -> Path:
+    folder = root / "Qwen3.5-9B"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": {"model_type": "qwen3_5_text", "head_dim": 256, "num_key_value_heads": 4,
+                        "num_attention_heads": 16, "hidden_size": 512, "num_hidden_layers": 4, "vocab_size": 64,
+                        "max_position_embeddings": 262144,
+                        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                        "rope_parameters": {"mrope_section": [11, 11, 10], "rope_type": "default"}},
+        "vision_config": {"model_type": "qwen3_5", "hidden_size": 64}, "image_token_id": 248056}))
+    return folder
+
+
+def ttnn_plan(model_dir: Path, env: dict, *flags: str, serving=None):
+    """The worker's plan on a host without chips (MESH_DEVICE names the mesh)."""
+    import argparse
+
+    from ttserve.worker import config as worker_config
+    from ttserve.worker.backends.ttnn.mesh_device import ChipProbe
+    from ttserve.worker.planning.preflight import plan_worker
+
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    args = worker_config.parse_args(parser, ["--backend", "ttnn", "--model", str(model_dir), *flags])
+    return plan_worker(args, env, serving=serving, need_hardware=False,
+                       probe=lambda: ChipProbe(False, "no Tenstorrent chips detected on this host"))
+
+
+def test_the_gemma4_switch_in_the_workers_environment_is_refused_in_the_plan(fake_tt_metal, tmp_path):
+    from ttserve.worker.planning.preflight import Serving
+    model_dir = gemma4_checkpoint(tmp_path, global_head_dim=None, num_global_key_value_heads=None)
+    plan = ttnn_plan(model_dir, {"MESH_DEVICE": "P150x4", "GEMMA4_HYBRID_KV_CACHE_GROUPS": "1"},
+                     serving=Serving(max_num_seqs=8))
+    [refusal] = plan.fatal
+    assert refusal.startswith("GEMMA4_HYBRID_KV_CACHE_GROUPS=1: Gemma4ForCausalLM then runs vLLM's hybrid KV"), refusal
+    assert "unset GEMMA4_HYBRID_KV_CACHE_GROUPS" in refusal
+    # The same checkpoint without the switch plans cleanly, with the class loaded from the tree.
+    plan = ttnn_plan(model_dir, {"MESH_DEVICE": "P150x4"}, serving=Serving(max_num_seqs=8))
+    assert not plan.fatal, plan.fatal
+    assert plan.entry.target_name == f"{GEMMA4}:Gemma4ForCausalLM" and plan.model_cls.__name__ == "Gemma4ForCausalLM"
+    assert plan.environment.to_set == {}  # it reads hf_config._name_or_path (--model), no variable
+
+
+def test_a_gemma4_checkpoint_with_two_kv_shapes_is_refused_before_weights_load(fake_tt_metal, tmp_path):
+    # gemma-4-31B-it: sliding layers head_dim 256 x 16 KV heads, full layers 512 x 4; the plugin
+    # allocates each layer its own shape, ttserve one shape for all.
+    model_dir = gemma4_checkpoint(tmp_path)
+    plan = ttnn_plan(model_dir, {"MESH_DEVICE": "P150x8"})
+    [refusal] = plan.fatal
+    assert "head_dim 256 vs global_head_dim 512, num_key_value_heads 16 vs num_global_key_value_heads 4" in refusal
+    assert "allocate_kv_cache_per_layer" in refusal and "one shape for every layer" in refusal
+
+
+def test_the_backends_check_refuses_the_gemma4_switch_before_initialize(fake_tt_metal, monkeypatch, tmp_path):
+    from fakes.fake_ttnn import FakeTtnn
+
+    from ttserve.worker.backends.ttnn.backend import TtnnBackend
+    from ttserve.worker.batch import ServingConfig
+    from ttserve.worker.planning.mesh import resolve_mesh
+
+    _, cls = build_registry("ttnn", {}).resolve(["Gemma4ForCausalLM"])
+    model_dir = gemma4_checkpoint(tmp_path, global_head_dim=None, num_global_key_value_heads=None)
+    config = ServingConfig(num_lanes=1, max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=4096)
+    backend = TtnnBackend(resolve_mesh("P150x4", 4), {}, env={"GEMMA4_HYBRID_KV_CACHE_GROUPS": "true"},
+                          ttnn=FakeTtnn())
+    with pytest.raises(ValueError, match="GEMMA4_HYBRID_KV_CACHE_GROUPS=true: Gemma4ForCausalLM then runs"):
+        backend.check(cls, model_dir, config)
+    TtnnBackend(resolve_mesh("P150x4", 4), {}, env={}, ttnn=FakeTtnn()).check(cls, model_dir, config)
+
+
+@pytest.mark.parametrize("value", ["performance", "accuracy"])
+def test_gemma4_takes_the_optimizations_its_class_accepts(fake_tt_metal, tmp_path, value):
+    # Gemma4ForCausalLM.initialize_vllm_model: None, "performance" or "accuracy", else ValueError.
+    model_dir = gemma4_checkpoint(tmp_path, global_head_dim=None, num_global_key_value_heads=None)
+    plan = ttnn_plan(model_dir, {"MESH_DEVICE": "P150x4"}, "--additional-config.tt.optimizations", value)
+    assert not plan.fatal, plan.fatal
+    with pytest.raises(ValueError, match=r"None\|performance\|accuracy"):
+        plan.model_cls.initialize_vllm_model(None, None, 8, 4096, optimizations="fast")
+
+
+def test_qwen36_reads_hf_model_and_refuses_another_model_weights_dir(fake_tt_metal, tmp_path):
+    from ttserve.worker.planning.preflight import Serving
+    model_dir = qwen35_checkpoint(tmp_path)
+    plan = ttnn_plan(model_dir, {"MESH_DEVICE": "P150x4"}, serving=Serving(max_num_seqs=8))
+    assert not plan.fatal, plan.fatal
+    assert plan.entry.variant == "qwen36_blackhole" and plan.model_cls.__name__ == "Qwen36ForCausalLM"
+    assert plan.environment.to_set == {"HF_MODEL": str(model_dir)}
+    other = tmp_path / "Qwen3.6-27B"
+    plan = ttnn_plan(model_dir, {"MESH_DEVICE": "P150x4", "MODEL_WEIGHTS_DIR": str(other)})
+    assert any(p.startswith(f"MODEL_WEIGHTS_DIR={other} names another checkpoint than --model") for p in plan.fatal), \
+        plan.problems
+
+
+def test_the_qwen36_fake_loads_the_folder_the_plugins_order_picks(fake_tt_metal, monkeypatch, tmp_path):
+    """MODEL_WEIGHTS_DIR, then HF_MODEL, then hf_config._name_or_path, written to HF_MODEL."""
+    from types import SimpleNamespace
+
+    from fakes.fake_ttnn import FakeMesh
+    monkeypatch.delenv("MODEL_WEIGHTS_DIR", raising=False)
+    monkeypatch.setenv("HF_MODEL", "/weights/hf-model")
+    _, cls = build_registry("ttnn", {}).resolve(["Qwen3_5ForConditionalGeneration"])
+    from models.tt_transformers.tt.generator import TTNN
+    hf_config = SimpleNamespace(_name_or_path="/weights/name-or-path")
+    cls.initialize_vllm_model(hf_config, FakeMesh(TTNN.recorder, "mesh", 4), 8, 4096, tt_data_parallel=2)
+    monkeypatch.setenv("MODEL_WEIGHTS_DIR", "/weights/dir")
+    cls.initialize_vllm_model(hf_config, FakeMesh(TTNN.recorder, "mesh", 4), 8, 4096)
+    built = TTNN.recorder.only("model.qwen36_create_tt_model")
+    assert [(b["hf_model"], b["num_devices"], b["max_batch_size"]) for b in built] == \
+        [("/weights/hf-model", 4, 8), ("/weights/dir", 4, 8)]  # one model, whatever tt_data_parallel
+    assert os.environ["HF_MODEL"] == "/weights/dir"
+
+
+def test_qwen36_lane_and_batch_rules():
+    from ttserve.worker.backends.ttnn.tt_models import ModelFamily, data_parallel_problem
+    from ttserve.worker.planning.mesh import resolve_mesh
+    family = ModelFamily.of(f"{QWEN36}:Qwen36ForCausalLM", "qwen36_blackhole")
+    p150, p150x4 = resolve_mesh("P150", 1), resolve_mesh("P150x4", 4)
+    assert data_parallel_problem(family, 1, 1, p150) is None
+    assert data_parallel_problem(family, 1, 32, p150x4) is None
+    one_device = data_parallel_problem(family, 1, 2, p150)
+    assert "--max-num-seqs 2" in one_device and "use --max-num-seqs 1" in one_device
+    assert "supports batch sizes 1, 2, 4, 8, 16, 32" in data_parallel_problem(family, 1, 12, p150x4)
+    lanes = data_parallel_problem(family, 2, 8, p150x4)
+    assert "ignores tt_data_parallel" in lanes and lanes.endswith("use --data-parallel-size 1")
+
+
+def test_qwen36_takes_no_optimizations(fake_tt_metal, tmp_path):
+    plan = ttnn_plan(qwen35_checkpoint(tmp_path), {"MESH_DEVICE": "P150x4"},
+                     "--additional-config.tt.optimizations", "performance")
+    assert any("takes no custom optimizations (it ignores them)" in p for p in plan.fatal), plan.problems
+
+
+def test_qwen36_states_its_kv_budget_and_capabilities(fake_tt_metal, monkeypatch, tmp_path):
+    from ttserve.worker.planning.preflight import Serving
+    monkeypatch.delenv("QWEN36_MAX_TOKENS_ALL_USERS", raising=False)
+    plan = ttnn_plan(qwen35_checkpoint(tmp_path), {"MESH_DEVICE": "P150x4"},
+                     serving=Serving(max_num_seqs=8, max_model_len=65536))
+    assert not plan.fatal, plan.fatal
+    assert any("524800 tokens per lane = 524288 (Qwen36ForCausalLM.get_max_tokens_all_users" in line
+               for line in plan.lines), plan.lines
+    caps = plan.model_cls.model_capabilities
+    assert (caps["supports_prefix_caching"], caps["supports_async_decode"], caps["supports_sample_on_device"]) == \
+        (False, False, True)
 
 
 # --- EXTRA_MODELS_DIR bundles ----------------------------------------------------------------

@@ -9,7 +9,8 @@ Where entries come from:
 * Built-in, per backend. `torch`: ttserve's reference models (ttserve.worker.backends.torch.models). `ttnn`:
   tt-metal's model classes, held as lazy "module:Class" strings and imported only when selected,
   so a host without tt-metal can still list them. `TT_LLAMA_TEXT_VER` and `TT_QWEN3_TEXT_VER`
-  switch the Llama and Qwen3 entries to tt-metal's Galaxy implementations.
+  switch the Llama and Qwen3 entries to tt-metal's Galaxy implementations; `TT_QWEN35_TEXT_VER`
+  names the Qwen 3.5 implementation (only `qwen36_blackhole` exists).
   `TT_VLLM_BUILTIN_MODELS=0` (or false/no/off) drops the built-ins.
 * Bundles under `EXTRA_MODELS_DIR` (one folder, or several joined with os.pathsep): every
   sub-folder is a bundle holding `vllm_metadata.json` -- `{"arch": "<HFArch>" or "TT<HFArch>",
@@ -50,6 +51,37 @@ METADATA_FILE = "vllm_metadata.json"
 
 _TT_TRANSFORMERS = "models.tt_transformers.tt.generator_vllm"
 _GALAXY = "models.demos.llama3_70b_galaxy.tt.generator_vllm"
+_GEMMA4 = "models.demos.gemma4.tt.generator_vllm"
+_QWEN36 = "models.demos.blackhole.qwen36.tt.qwen36_vllm"
+
+# The built-in ttnn table is every registration of register_tt_models in tenstorrent/vllm-tt-plugin
+# @ e3fc849, src/vllm_tt_plugin/platform.py (line of each given below), with the plugin's module:Class.
+# The tt-metal file each class lives in was read in tenstorrent/tt-metal as stored in the search
+# index (commit, or index id where the stored text names no commit); "(earlier pass)": checked when
+# the entry was added (tt_models.py names those versions), not re-read for this table:
+#   TTLlamaForCausalLM            :631-649  selector TT_LLAMA_TEXT_VER (tt_transformers generator_vllm.py
+#                                           id 54494048887; Galaxy and llama2_70b: earlier pass)
+#   TTMllamaForConditionalGeneration :652-656  tt_transformers generator_vllm.py (index id 54494048887)
+#   TTQwen2ForCausalLM            :659-660  tt_transformers generator_vllm.py (id 54494048887)
+#   TTQwen3ForCausalLM            :663-676  selector TT_QWEN3_TEXT_VER (as TTLlamaForCausalLM)
+#   TTQwen3_5ForConditionalGeneration :678-692  selector TT_QWEN35_TEXT_VER, only "qwen36_blackhole":
+#                                           models/demos/blackhole/qwen36/tt/qwen36_vllm.py @ 01c8afed
+#                                           (id 54492196086), tt/common.py @ 296021c4, tt/model_config.py
+#                                           @ 009f48d4, tt/generator_interface.py @ 040a27c1
+#   TTQwen2_5_VLForConditionalGeneration :695-699  models/demos/qwen25_vl/tt/generator_vllm.py (earlier pass)
+#   TTQwen3VLForConditionalGeneration    :702-706  models/demos/qwen3_vl/tt/generator_vllm.py (earlier pass)
+#   TTMistralForCausalLM          :709-713  tt_transformers generator_vllm.py (id 54494048887)
+#   TTMistral3ForConditionalGeneration :716-720  tt_transformers generator_vllm.py (id 54494048887)
+#   TTGemma3ForConditionalGeneration   :722-727  tt_transformers generator_vllm.py (id 54494048887):
+#                                           HybridAttentionForCausalLM, _HYBRID_KV_CACHE_GROUPS_ENABLED False
+#   TTGemma4ForCausalLM, TTGemma4ForConditionalGeneration, TTGemma4UnifiedForConditionalGeneration
+#                                 :729-764  (the plugin also registers the names without "TT"; here
+#                                           tt_name adds it) models/demos/gemma4/tt/generator_vllm.py
+#                                           @ 00b97ff1 (id 68508136212), tt/common.py @ 009a4e26
+#   TTDeepseekV3ForCausalLM       :766-771  models/demos/deepseek_v3/tt/generator_vllm.py @ 01656bf7 (earlier pass)
+#   TTGptOssForCausalLM           :773-778  tt_transformers generator_vllm.py (id 54494048887):
+#                                           HybridAttentionForCausalLM, _HYBRID_KV_CACHE_GROUPS_ENABLED False
+#   test models (register_tt_test_models) :785-808
 
 # Selector variable -> {value: module:Class}; the first value is the default.
 SELECTORS: dict[str, tuple[str, dict[str, str]]] = {
@@ -61,6 +93,10 @@ SELECTORS: dict[str, tuple[str, dict[str, str]]] = {
     "TT_QWEN3_TEXT_VER": ("TTQwen3ForCausalLM", {
         "tt_transformers": f"{_TT_TRANSFORMERS}:QwenForCausalLM",
         "qwen3_32b_galaxy": f"{_GALAXY}:QwenForCausalLM",
+    }),
+    # Qwen 3.5 / 3.6 (Gated DeltaNet + paged full attention), the plugin's only choice.
+    "TT_QWEN35_TEXT_VER": ("TTQwen3_5ForConditionalGeneration", {
+        "qwen36_blackhole": f"{_QWEN36}:Qwen36ForCausalLM",
     }),
 }
 
@@ -75,6 +111,10 @@ _TTNN_FIXED = {
         "models.demos.qwen3_vl.tt.generator_vllm:Qwen3VLForConditionalGeneration",
     "TTMistral3ForConditionalGeneration": f"{_TT_TRANSFORMERS}:Mistral3ForConditionalGeneration",
     "TTGemma3ForConditionalGeneration": f"{_TT_TRANSFORMERS}:Gemma3ForConditionalGeneration",
+    # Gemma 4: one text-only class for the text, multimodal and "unified" (12B) checkpoints.
+    "TTGemma4ForCausalLM": f"{_GEMMA4}:Gemma4ForCausalLM",
+    "TTGemma4ForConditionalGeneration": f"{_GEMMA4}:Gemma4ForCausalLM",
+    "TTGemma4UnifiedForConditionalGeneration": f"{_GEMMA4}:Gemma4ForCausalLM",
     "TTQwen2ForCausalLM": f"{_TT_TRANSFORMERS}:QwenForCausalLM",
     "TTMistralForCausalLM": f"{_TT_TRANSFORMERS}:MistralForCausalLM",
     "TTGptOssForCausalLM": f"{_TT_TRANSFORMERS}:GptOssForCausalLM",
@@ -183,8 +223,15 @@ def contract_problem(cls: object) -> str | None:
     if not isinstance(cls, type):
         return f"is a {type(cls).__name__}, not a class"
     missing = [m for m in CONTRACT_METHODS if not callable(getattr(cls, m, None))]
+    if missing == ["allocate_kv_cache"] and callable(getattr(cls, "allocate_kv_cache_per_layer", None)):
+        from ..backends.ttnn.tt_models import PER_LAYER_ONLY
+        return PER_LAYER_ONLY
     if missing:
         return f"does not implement the generator contract: no {', '.join(missing)}"
+    from ..backends.ttnn.tt_models import hybrid_kv_cache_problem
+    problem = hybrid_kv_cache_problem(cls)
+    if problem:
+        return problem
     caps = getattr(cls, "model_capabilities", {})
     if not isinstance(caps, Mapping):
         return f"has model_capabilities of type {type(caps).__name__}, not a dict"

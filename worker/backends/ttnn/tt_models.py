@@ -6,7 +6,11 @@ These are the rules of the TT vLLM plugin and of tt-metal's model code, read fro
 (tenstorrent/vllm-tt-plugin @ e3fc849 platform.py, worker.py, input_batch.py; tt-metal
 models/tt_transformers/tt/generator_vllm.py, model_config.py, models/common/model_capabilities.py,
 models/demos/llama3_70b_galaxy/tt/generator_vllm.py, model_config.py, qwen_model_config.py,
-models/demos/deepseek_v3/tt/generator_vllm.py).
+models/demos/deepseek_v3/tt/generator_vllm.py; Gemma 4: models/demos/gemma4/tt/generator_vllm.py
+@ 00b97ff1 (index id 68508136212) and tt/common.py @ 009a4e26; Qwen 3.5/3.6:
+models/demos/blackhole/qwen36/tt/qwen36_vllm.py @ 01c8afed (index id 54492196086), tt/common.py
+@ 296021c4, tt/model_config.py @ 009f48d4, tt/generator_interface.py @ 040a27c1; the hybrid-attention
+base of Gemma 3, Gemma 4 and GPT-OSS: tt_transformers generator_vllm.py, index id 54494048887).
 Pure Python: nothing here imports ttnn, torch or tt-metal (a tt-metal module is at most located
 and its source parsed), so `ttserve check` and the worker's start-up apply the same rules before
 any device is touched.
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 GALAXY_GENERATOR_VERSIONS = {"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy", "TT_QWEN3_TEXT_VER": "qwen3_32b_galaxy"}
 _GPT_OSS = "GptOssForCausalLM"
 _DEEPSEEK = "DeepseekV3ForCausalLM"
+_GEMMA4_MODULE = "models.demos.gemma4."
+_QWEN36_MODULE = "models.demos.blackhole.qwen36."
 
 # ModelCapabilitiesMixin.FALLBACK_MAX_TOKENS_ALL_USERS: the plugin's budget for a class that
 # states none (worker.py get_num_available_blocks_tt).
@@ -54,7 +60,33 @@ _CHECKPOINT_VARIABLES = {
     "models.demos.qwen3_vl.": "HF_MODEL",
     "models.demos.llama3_70b_galaxy.": "HF_MODEL",
     "models.demos.deepseek_v3.": "DEEPSEEK_V3_HF_MODEL",
+    # Qwen 3.5/3.6: create_tt_model writes its weights folder to HF_MODEL, which Qwen36ModelArgs (a
+    # tt_transformers ModelArgs) reads (tt/common.py, tt/model_config.py).
+    _QWEN36_MODULE: "HF_MODEL",
+    # Gemma 4 reads none: initialize_vllm_model passes hf_config._name_or_path (--model) to
+    # create_tt_model, which falls back to HF_MODEL / GEMMA4_MODEL_PATH only when it is empty.
 }
+
+# Variables a class reads before its checkpoint variable, which would win over --model:
+# Qwen36ForCausalLM.initialize_vllm_model takes MODEL_WEIGHTS_DIR, then HF_MODEL, then
+# hf_config._name_or_path, and makes the winner HF_MODEL.
+_OVERRIDING_CHECKPOINT_VARIABLES = {
+    _QWEN36_MODULE: ("MODEL_WEIGHTS_DIR",),
+}
+
+# tt-metal's hybrid-attention bridges (HybridAttentionForCausalLM: Gemma 3, Gemma 4, GPT-OSS) can run
+# vLLM's hybrid KV cache groups: one page table per layer (`page_tables_per_layer`, built by the
+# plugin from `get_kv_cache_spec`'s groups) and per-group KV buffers (`allocate_kv_cache_per_layer`).
+# `_HYBRID_KV_CACHE_GROUPS_ENABLED` turns it on. It is off in the base class and Gemma 3 / GPT-OSS
+# keep it off (their prefill/decode then ignore page_tables_per_layer and use the one page_table);
+# Gemma 4 sets it from an environment switch read when its module is imported. ttserve sends one
+# page table for every layer, so a class with the groups on is refused, as is the switch.
+HYBRID_KV_SWITCHES = {
+    _GEMMA4_MODULE: "GEMMA4_HYBRID_KV_CACHE_GROUPS",  # `os.environ.get(..., "0") != "0"` turns it on
+}
+PER_LAYER_ONLY = ("allocates its KV cache only per layer (allocate_kv_cache_per_layer, no allocate_kv_cache): "
+                  "it needs vLLM's hybrid KV cache groups, one page table per group (page_tables_per_layer), "
+                  "and ttserve serves every layer from one page table; serve a class with allocate_kv_cache")
 
 # Meta-style checkpoint folder of the older Llama demos. tt-metal's Galaxy TtModelArgs asserts
 # `not (LLAMA_DIR and HF_MODEL)` ("Only one of LLAMA_DIR or HF_MODEL should be set"), so a
@@ -73,10 +105,20 @@ _LEGACY_CHECKPOINT_VARIABLE = "LLAMA_DIR"
 #   cross_page_table): PIL images and a cross-attention page table, the encoder-decoder path the
 #   plugin's model runner refuses ("Encoder-decoder models aren't yet supported for TT").
 ONE_PREFILL_USER_CLASSES = ("Qwen3VLForConditionalGeneration",)
-# Classes whose generator holds one model and no submeshes (models/demos/qwen3_vl/tt/generator.py:
-# `model` is `model[0]`, "change this when implementing data parallelism"); its prefill_forward
-# ignores empty_slots and prefills batch index i as user i, so a second lane cannot be served.
-SINGLE_LANE_CLASSES = ("Qwen3VLForConditionalGeneration",)
+# Classes whose generator holds one model and no submeshes, so a second lane cannot be served:
+# Qwen3-VL (models/demos/qwen3_vl/tt/generator.py: `model` is `model[0]`, "change this when
+# implementing data parallelism"; its prefill_forward ignores empty_slots and prefills batch index i
+# as user i) and Qwen 3.6 (one model on the whole mesh, tt_data_parallel never read).
+SINGLE_LANE_CLASSES = ("Qwen3VLForConditionalGeneration", "Qwen36ForCausalLM")
+_SINGLE_LANE_WHY = {
+    "Qwen3VLForConditionalGeneration": "its generator holds one model and ignores empty_slots "
+                                       "(models/demos/qwen3_vl/tt/generator.py), so every request would "
+                                       "prefill into the first lane's KV cache",
+    # qwen36_vllm.py: create_tt_model(mesh_device, max_batch_size=max_batch_size, ...) on the whole
+    # mesh, `cls([model], [args], mesh_device)`; tt_data_parallel is accepted and never read.
+    "Qwen36ForCausalLM": "it builds one model on the whole mesh and ignores tt_data_parallel "
+                         "(models/demos/blackhole/qwen36/tt/qwen36_vllm.py)",
+}
 CROSS_ATTENTION_CLASSES = ("MllamaForConditionalGeneration", "Mistral3ForConditionalGeneration")
 
 # What a tt-metal host installs for those modules: the vLLM build tt-metal's LLMs table pins,
@@ -119,12 +161,25 @@ class ModelFamily:
         return next((var for prefix, var in _CHECKPOINT_VARIABLES.items() if self.module.startswith(prefix)), None)
 
 
+# How deep module_imports_vllm follows tt-metal's own imports: Gemma 4's generator_vllm imports
+# HybridAttentionForCausalLM from tt_transformers' generator_vllm, which imports vLLM (one level).
+_VLLM_IMPORT_DEPTH = 3
+
+
 def module_imports_vllm(module: str) -> bool | None:
     """Whether `module`'s source imports vLLM unconditionally at its top (tt_transformers'
     generator_vllm imports gemma3_mm, mistral3, MULTIMODAL_REGISTRY; the Galaxy one did
-    `import vllm.envs` until tt-metal dropped it), read from the file the import would load,
-    found without importing it or its packages. None when the source cannot be found or read:
-    then nothing is assumed, and a failing import names a missing vLLM itself."""
+    `import vllm.envs` until tt-metal dropped it; Qwen 3.6's qwen36_vllm imports qwen3_5 and
+    MULTIMODAL_REGISTRY), or imports at its top a module of tt-metal's `models` tree that does
+    (Gemma 4's generator_vllm imports tt_transformers' generator_vllm), read from the files the
+    imports would load, found without importing them or their packages. None when `module`'s own
+    source cannot be found or read: then nothing is assumed, and a failing import names a missing
+    vLLM itself."""
+    return _imports_vllm(module, _VLLM_IMPORT_DEPTH, set())
+
+
+def _imports_vllm(module: str, depth: int, seen: set[str]) -> bool | None:
+    seen.add(module)
     source = _module_source(module)
     if source is None:
         return None
@@ -132,6 +187,7 @@ def module_imports_vllm(module: str) -> bool | None:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return None
+    tt_metal: list[str] = []
     for node in tree.body:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -141,6 +197,11 @@ def module_imports_vllm(module: str) -> bool | None:
             continue
         if any(name.split(".")[0] == "vllm" for name in names):
             return True
+        tt_metal += [name for name in names if name.startswith("models.") and name not in seen]
+    if depth > 0:
+        for name in dict.fromkeys(tt_metal):
+            if name not in seen and _imports_vllm(name, depth - 1, seen):
+                return True
     return False
 
 
@@ -205,18 +266,30 @@ _TT_TRANSFORMERS_BATCHES = frozenset({1, 2, 4, 8, 16, 32})
 
 
 def data_parallel_problem(family: ModelFamily, num_lanes: int, max_num_seqs: int, spec: MeshSpec) -> str | None:
-    """Why `initialize_vllm_model` would refuse this lane count on this mesh, with what to do."""
+    """Why `initialize_vllm_model` would refuse this lane count on this mesh (or the class would
+    serve it wrongly), with what to do."""
     if family.class_name in SINGLE_LANE_CLASSES and num_lanes > 1:
-        return (f"--data-parallel-size {num_lanes}: {family.class_name}'s generator holds one model and "
-                "ignores empty_slots (models/demos/qwen3_vl/tt/generator.py), so every request would "
-                "prefill into the first lane's KV cache: use --data-parallel-size 1")
+        why = _SINGLE_LANE_WHY.get(family.class_name, "its generator holds one model")
+        return (f"--data-parallel-size {num_lanes}: {family.class_name} serves one lane: {why}: "
+                "use --data-parallel-size 1")
     if family.is_galaxy_generator:
         problem = _galaxy_lanes_problem(family, num_lanes, spec)
         if problem:
             return problem
-    if family.module.startswith("models.tt_transformers.") and max_num_seqs not in _TT_TRANSFORMERS_BATCHES:
-        # model_config.py ModelArgs: "Batch size {max_batch_size} not supported" (per submesh).
-        return (f"--max-num-seqs {max_num_seqs}: tt_transformers' ModelArgs supports batch sizes "
+    if family.module.startswith(_QWEN36_MODULE) and spec.num_devices == 1 and max_num_seqs > 1:
+        # qwen36_vllm.py prefill_forward: on one device it prefills prompt_lens[0] only
+        # (generator_interface.prefill_dispatch), into its single-sequence DeltaNet state; the
+        # per-slot (empty_slots) batched prefill exists only for num_devices > 1.
+        return (f"--max-num-seqs {max_num_seqs}: {family.class_name} on one device (MESH_DEVICE={spec.name}) "
+                "prefills one sequence into one DeltaNet state (its batched, per-slot path needs a multi-device "
+                "mesh): use --max-num-seqs 1, or a tensor-parallel mesh such as P150x4")
+    uses_model_args = family.module.startswith(("models.tt_transformers.", _QWEN36_MODULE))
+    if uses_model_args and max_num_seqs not in _TT_TRANSFORMERS_BATCHES:
+        # model_config.py ModelArgs: "Batch size {max_batch_size} not supported" (per submesh);
+        # Qwen36ModelArgs is a ModelArgs, built with the whole max_batch_size.
+        which = "tt_transformers' ModelArgs" if family.module.startswith("models.tt_transformers.") else \
+            f"{family.class_name}'s Qwen36ModelArgs (a tt_transformers ModelArgs)"
+        return (f"--max-num-seqs {max_num_seqs}: {which} supports batch sizes "
                 f"{', '.join(map(str, sorted(_TT_TRANSFORMERS_BATCHES)))} per lane; choose one of them")
     if family.is_deepseek and (num_lanes * max_num_seqs) % spec.num_devices:
         return (f"--max-num-seqs {max_num_seqs}: DeepSeek V3 splits its {num_lanes * max_num_seqs} rows "
@@ -252,12 +325,16 @@ def _galaxy_lanes_problem(family: ModelFamily, num_lanes: int, spec: MeshSpec) -
 
 def optimizations_problem(family: ModelFamily, options: Mapping[str, Any]) -> str | None:
     """The Galaxy and GPT-OSS generators assert `optimizations is None`; DeepSeek V3's takes the
-    argument and ignores it (deepseek_v3/tt/generator_vllm.py @01656bf): refused too, since the
-    setting would do nothing."""
-    if "optimizations" in options and (family.is_galaxy_generator or family.is_deepseek
-                                       or family.class_name == _GPT_OSS):
-        why = "it ignores them" if family.is_deepseek else "it asserts optimizations is None"
-        return (f"tt.optimizations = {options['optimizations']!r}: {family.module}:{family.class_name} "
+    argument and ignores it (deepseek_v3/tt/generator_vllm.py @01656bf), as does Qwen 3.6's
+    (qwen36_vllm.py): refused too, since the setting would do nothing. Gemma 4 takes None,
+    "performance" or "accuracy" (ValueError otherwise), the only values tt.optimizations allows."""
+    if "optimizations" not in options:
+        return None
+    value = options["optimizations"]
+    ignores = family.is_deepseek or family.module.startswith(_QWEN36_MODULE)
+    if family.is_galaxy_generator or ignores or family.class_name == _GPT_OSS:
+        why = "it ignores them" if ignores else "it asserts optimizations is None"
+        return (f"tt.optimizations = {value!r}: {family.module}:{family.class_name} "
                 f"takes no custom optimizations ({why}); unset it")
     return None
 
@@ -275,10 +352,26 @@ def checkpoint_environment(family: ModelFamily, model_path: Path, env: Mapping[s
     """The checkpoint variable the class reads, set from --model; refused when the environment
     already names another checkpoint (the weights would not be the ones config.json describes).
     For a class that reads HF_MODEL an inherited LLAMA_DIR is removed: tt-metal's Galaxy
-    TtModelArgs asserts that they are not both set, and HF_MODEL is the one that names --model."""
+    TtModelArgs asserts that they are not both set, and HF_MODEL is the one that names --model.
+
+    Also refused here, before any weight loads, is an environment or checkpoint that asks the
+    class for a KV cache ttserve does not build (`kv_cache_problem`): hybrid KV cache groups
+    switched on (GEMMA4_HYBRID_KV_CACHE_GROUPS), or layers whose KV caches differ in shape."""
     notes = []
     if "TT_CACHE_PATH" in env:
         notes.append(f"TT_CACHE_PATH={env['TT_CACHE_PATH']} (weight cache; tt-metal appends the device name)")
+    problem = kv_cache_problem(family, model_path, env)
+    if problem:
+        return CheckpointEnvironment({}, notes, problem)
+    for var in next((names for prefix, names in _OVERRIDING_CHECKPOINT_VARIABLES.items()
+                     if family.module.startswith(prefix)), ()):
+        current = env.get(var)
+        if current and not _same_path(current, model_path):
+            return CheckpointEnvironment({}, notes, (
+                f"{var}={current} names another checkpoint than --model {model_path}; {family.class_name} "
+                f"loads its weights from {var} before any other variable: unset it or pass the same folder"))
+        if current:
+            notes.append(f"{var}={current} (already set, names --model)")
     var = family.checkpoint_variable
     if var is None:
         return CheckpointEnvironment({}, notes)
@@ -299,6 +392,60 @@ def checkpoint_environment(family: ModelFamily, model_path: Path, env: Mapping[s
         notes.append(f"{legacy}={env[legacy]} unset for the model (it reads HF_MODEL; tt-metal's Galaxy "
                      f"TtModelArgs refuses {legacy} and HF_MODEL together)")
     return CheckpointEnvironment(to_set, notes)
+
+
+def hybrid_kv_cache_problem(model_cls: type) -> str | None:
+    """A class that runs vLLM's hybrid KV cache groups (`_HYBRID_KV_CACHE_GROUPS_ENABLED`, read
+    from its environment switch when tt-metal imported it): it expects one page table per group."""
+    if getattr(model_cls, "_HYBRID_KV_CACHE_GROUPS_ENABLED", False) is not True:
+        return None
+    module = getattr(model_cls, "__module__", "")
+    switch = next((var for prefix, var in HYBRID_KV_SWITCHES.items() if module.startswith(prefix)), None)
+    fix = f"unset {switch} (or set it to 0)" if switch else "serve it with hybrid KV cache groups off"
+    return (f"has hybrid KV cache groups on (_HYBRID_KV_CACHE_GROUPS_ENABLED): it expects one page table per "
+            f"KV cache group (page_tables_per_layer) and sliding-window groups, and ttserve serves every layer "
+            f"from one page table: {fix}")
+
+
+def kv_cache_problem(family: ModelFamily, model_path: Path | None, env: Mapping[str, str]) -> str | None:
+    """Why the class cannot be served with ttserve's KV cache (one page table, one K/V shape for
+    every layer), judged from the environment and the checkpoint's config.json before any import:
+    - its hybrid KV cache groups switched on by the environment (HYBRID_KV_SWITCHES; the class
+      reads the switch when it is imported, see `hybrid_kv_cache_problem` for the class itself);
+    - layers of two attention types with different KV shapes: Gemma 4's full-attention layers keep
+      `global_head_dim` and `num_global_key_value_heads` (512 and 4 on gemma-4-31B-it, beside 256
+      and 16 for its sliding layers); the plugin gives each layer its own shape
+      (get_kv_cache_spec -> allocate_kv_cache_per_layer), ttserve allocates one."""
+    switch = next((var for prefix, var in HYBRID_KV_SWITCHES.items() if family.module.startswith(prefix)), None)
+    if switch and env.get(switch, "0") != "0":
+        return (f"{switch}={env[switch]}: {family.class_name} then runs vLLM's hybrid KV cache groups, one page "
+                f"table per group (page_tables_per_layer) and sliding-window groups, and ttserve serves every "
+                f"layer from one page table: unset {switch} (or set it to 0)")
+    config = _text_config(model_path)
+    pairs = (("head_dim", "global_head_dim"), ("num_key_value_heads", "num_global_key_value_heads"))
+    differ = [f"{key} {config[key]} vs {other} {config[other]}" for key, other in pairs
+              if isinstance(config.get(key), int) and isinstance(config.get(other), int)
+              and config[other] != config[key]]
+    if differ:
+        return (f"{model_path} has layers with two KV cache shapes ({', '.join(differ)} for its full-attention "
+                f"layers): {family.class_name} needs a KV cache shaped per layer, as the TT plugin allocates it "
+                "(get_kv_cache_spec, allocate_kv_cache_per_layer), and ttserve allocates one shape for every layer")
+    return None
+
+
+def _text_config(model_path: Path | None) -> dict[str, Any]:
+    """config.json's language-model settings (a nested text_config over the top level), or {}."""
+    import json
+    if model_path is None:
+        return {}
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
 
 
 def _same_path(value: str, model_path: Path) -> bool:

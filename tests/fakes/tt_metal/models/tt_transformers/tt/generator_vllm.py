@@ -113,3 +113,41 @@ class MllamaForConditionalGeneration(_CrossAttentionVision):
 
 class Mistral3ForConditionalGeneration(_CrossAttentionVision):
     pass
+
+
+class HybridAttentionForCausalLM(Generator):
+    """Mirrors tt-metal's HybridAttentionForCausalLM (models/tt_transformers/tt/generator_vllm.py, the
+    version stored in the search index as id 54494048887): the base of tt-metal's hybrid-attention
+    bridges (Gemma 3, Gemma 4 and GPT-OSS there; only Gemma 4's fake derives from it here).
+    - `_HYBRID_KV_CACHE_GROUPS_ENABLED = False`: vLLM's hybrid KV cache groups are off, so one
+      full-attention group and the legacy single page_table serve every layer;
+    - `get_kv_cache_spec(vllm_config)`: its presence is what makes the plugin build per-layer page
+      tables (`page_tables_per_layer`); the real one returns vLLM FullAttentionSpecs keyed
+      "model.layers.<i>.self_attn", here (name -> layer type) from the config's layer_types;
+    - prefill_forward / decode_forward raise NotImplementedError until a subclass overrides them;
+    - allocate_kv_cache_per_layer(per_layer_specs): one (K, V) per (shape, dtype, tensor_idx),
+      layers with the same tensor_idx sharing a buffer (allocate_vllm_kv_cache_per_layer)."""
+    _HYBRID_KV_CACHE_GROUPS_ENABLED = False
+
+    @classmethod
+    def get_kv_cache_spec(cls, vllm_config: Any) -> dict[str, str]:
+        hf_config = vllm_config.model_config.hf_config
+        text_config = getattr(hf_config, "text_config", hf_config)
+        layer_types = getattr(text_config, "layer_types", None)
+        if layer_types is None:
+            raise ValueError(f"{cls.__name__}.get_kv_cache_spec requires hf_config.text_config.layer_types")
+        return {f"model.layers.{i}.self_attn": "full_attention" for i, _ in enumerate(layer_types)}
+
+    def prefill_forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must override prefill_forward to consume "
+                                  "`page_tables_per_layer`")
+
+    def decode_forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must override decode_forward to consume "
+                                  "`page_tables_per_layer`")
+
+    def allocate_kv_cache_per_layer(self, per_layer_specs: list) -> list:
+        TTNN.recorder.add("model.allocate_kv_cache_per_layer", specs=list(per_layer_specs))
+        self.block_size = per_layer_specs[0][0][2]
+        buffers: dict[int, list] = {}
+        return [[buffers.setdefault(tensor_idx, ["k", "v"]) for _, _, tensor_idx in per_layer_specs]]
