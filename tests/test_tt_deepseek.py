@@ -39,15 +39,16 @@ CONFIG = ServingConfig(num_lanes=1, max_num_seqs=2, max_model_len=256, max_num_b
 @pytest.fixture
 def tt_metal(monkeypatch):
     """tt-metal's models/ tree (the fake) importable for one test, imported afresh; the checkpoint
-    variable the worker sets (DEEPSEEK_V3_HF_MODEL) unset again after."""
+    variables the worker sets (DEEPSEEK_V3_HF_MODEL, DEEPSEEK_V3_CACHE) unset again after."""
     def loaded() -> set[str]:
         return {m for m in sys.modules if m == "models" or m.startswith("models.")}
 
     for name in loaded():
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(str(TREE))
-    monkeypatch.setenv("DEEPSEEK_V3_HF_MODEL", "placeholder")
-    monkeypatch.delenv("DEEPSEEK_V3_HF_MODEL")
+    for var in ("DEEPSEEK_V3_HF_MODEL", "DEEPSEEK_V3_CACHE"):
+        monkeypatch.setenv(var, "placeholder")
+        monkeypatch.delenv(var)
     yield
     for name in loaded():
         del sys.modules[name]
@@ -127,3 +128,17 @@ def test_a_decode_reads_back_without_process_decode_output_host(tt_metal, model_
         assert result.tokens["r"] == next_token(token, position, VOCAB)
         token, position = result.tokens["r"], position + 1
     assert ttnn.recorder.only("model.read_decode_output")
+
+
+def test_the_converted_weights_go_to_a_named_cache_not_the_working_directory(tmp_path):
+    """DeepseekGenerator._prepare_weight_configs (tt-metal deepseek_v3/tt/generator.py, index id
+    54245576761) writes into DEEPSEEK_V3_CACHE, else into ./generated/deepseek_v3 of the worker's
+    working directory: the worker names a cache unless the operator has."""
+    from ttserve.worker.backends.ttnn.tt_models import ModelFamily, checkpoint_environment
+
+    family = ModelFamily("DeepseekV3ForCausalLM", "models.demos.deepseek_v3.tt.generator_vllm", None)
+    model = tmp_path / "DeepSeek-R1-0528"
+    planned = checkpoint_environment(family, model, {"TT_CACHE_PATH": "/var/cache/tt"})
+    assert planned.to_set == {"DEEPSEEK_V3_HF_MODEL": str(model),
+                              "DEEPSEEK_V3_CACHE": "/var/cache/tt/deepseek_v3/DeepSeek-R1-0528"}
+    assert "DEEPSEEK_V3_CACHE" not in checkpoint_environment(family, model, {"DEEPSEEK_V3_CACHE": "/x"}).to_set

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 GALAXY_GENERATOR_VERSIONS = {"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy", "TT_QWEN3_TEXT_VER": "qwen3_32b_galaxy"}
 _GPT_OSS = "GptOssForCausalLM"
 _DEEPSEEK = "DeepseekV3ForCausalLM"
+_DEEPSEEK_CACHE = "DEEPSEEK_V3_CACHE"
 _GEMMA4_MODULE = "models.demos.gemma4."
 _QWEN36_MODULE = "models.demos.blackhole.qwen36."
 
@@ -386,6 +387,13 @@ def checkpoint_environment(family: ModelFamily, model_path: Path, env: Mapping[s
         return CheckpointEnvironment({}, notes, (
             f"{var}={current} names another checkpoint than --model {model_path}; {family.class_name} "
             f"loads its weights from {var}: unset it (the worker sets it from --model) or pass the same folder"))
+    if family.is_deepseek and not env.get(_DEEPSEEK_CACHE):
+        # DeepseekGenerator._prepare_weight_configs converts the weights into DEEPSEEK_V3_CACHE,
+        # else into ./generated/deepseek_v3 of whatever directory the worker runs in (/ under
+        # systemd): named here, beside tt-metal's own weight cache when TT_CACHE_PATH is set.
+        cache = Path(env.get("TT_CACHE_PATH") or Path.home() / ".cache" / "ttserve") / "deepseek_v3" / model_path.name
+        to_set[_DEEPSEEK_CACHE] = str(cache)
+        notes.append(f"{_DEEPSEEK_CACHE}={cache} (converted weights; set it to choose another folder)")
     legacy = _LEGACY_CHECKPOINT_VARIABLE
     if var == "HF_MODEL" and env.get(legacy):
         to_set[legacy] = None
