@@ -52,6 +52,16 @@ def tiny_vlm(smollm2, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(smollm2, tmp_path_factory) -> Path:
+    """A tiny random-weight Gemma 3 text checkpoint (worker/planning/tiny_gemma3.py): local
+    sliding-window and global layers, built once per session with transformers."""
+    from ttserve.worker.planning.tiny_gemma3 import build
+    folder = tmp_path_factory.mktemp("tiny-gemma3") / "tiny-gemma3"
+    build(folder, smollm2)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def hf_tiny_vlm(tiny_vlm):
     """transformers' model and processor for tiny_vlm, the oracle: (processor, model) in float32
     with eager attention. The processor is the gateway's images-only Qwen2.5-VL processor (the

@@ -307,7 +307,8 @@ def test_capabilities_and_registry():
     assert caps["supports_prefix_caching"] and caps["supports_chunked_prefill"]
     assert caps["supports_sample_on_device"] and caps["supports_async_decode"]
     assert set(REFERENCE_ARCHITECTURES) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                            "MistralForCausalLM", "Qwen2_5_VLForConditionalGeneration"}
+                                            "MistralForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+                                            "Gemma3ForCausalLM"}
 
 
 # --- SmolLM2 in bfloat16 against transformers in bfloat16 ------------------------------------

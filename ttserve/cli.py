@@ -57,8 +57,9 @@ def _model(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ttserve model")
     sub = parser.add_subparsers(dest="action", required=True)
     prepare = sub.add_parser("prepare", help="convert an embedded model into a Hugging Face folder")
-    prepare.add_argument("name", help="embedded model name: smollm2, or tiny-vlm (a tiny random-weight "
-                                      "Qwen2.5-VL for tests)")
+    prepare.add_argument("name", help="embedded model name: smollm2, tiny-vlm (a tiny random-weight "
+                                      "Qwen2.5-VL for tests) or tiny-gemma3 (a tiny random-weight Gemma 3, "
+                                      "sliding-window and global layers, for tests)")
     prepare.add_argument("--cache-dir", default=None, help="default $TTSERVE_CACHE_DIR or ~/.cache/ttserve")
     args = parser.parse_args(argv)
     from pathlib import Path

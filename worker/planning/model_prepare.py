@@ -76,17 +76,22 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 
 @dataclass(frozen=True, slots=True)
 class BuiltModel:
-    """A model built here from nothing but transformers and a seed (worker/planning/tiny_vlm.py)."""
+    """A model built here from nothing but transformers and a seed (worker/planning/tiny_vlm.py,
+    tiny_gemma3.py)."""
 
     folder: str
     needs: str          # the embedded model whose tokenizer it reuses
     architecture: str
+    builder: str        # the module of this package whose build(out, tokenizer_source) makes it
 
 
-# Built test models: random weights, real processors (no real checkpoint of the family installs).
+# Built test models: random weights, real tokenizers and processors (no real checkpoint of the
+# family installs).
 BUILT_MODELS: dict[str, BuiltModel] = {
     "tiny-vlm": BuiltModel(folder="tiny-vlm-Qwen2.5-VL", needs="smollm2",
-                           architecture="Qwen2_5_VLForConditionalGeneration"),
+                           architecture="Qwen2_5_VLForConditionalGeneration", builder="tiny_vlm"),
+    "tiny-gemma3": BuiltModel(folder="tiny-gemma3", needs="smollm2", architecture="Gemma3ForCausalLM",
+                              builder="tiny_gemma3"),
 }
 
 
@@ -171,16 +176,18 @@ def _prepare_built(name: str, cache_dir: Path | None) -> Path:
     partial = Path(tempfile.mkdtemp(prefix=f".{spec.folder}.partial-{os.getpid()}-", dir=models))
     partial.chmod(0o755)
     try:
+        import importlib
+
         import transformers
 
-        from .tiny_vlm import SEED, build
-        build(partial, tokenizer_source)
+        builder = importlib.import_module(f".{spec.builder}", __package__)
+        builder.build(partial, tokenizer_source)
         (partial / MARKER).write_text(json.dumps({
-            "built": name, "seed": SEED, "tokenizer": spec.needs,
+            "built": name, "seed": builder.SEED, "tokenizer": spec.needs,
             "transformers": transformers.__version__}) + "\n")
         _publish(partial, final)
     except ImportError as e:
-        raise ModelPrepareError(f"building {name} needs transformers with Qwen2.5-VL: {e}") from e
+        raise ModelPrepareError(f"building {name} needs transformers with {spec.architecture}: {e}") from e
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     log.info("prepared model=%s path=%s seconds=%.1f", name, final, time.monotonic() - started)

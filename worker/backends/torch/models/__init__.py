@@ -2,6 +2,7 @@
 
 Keyed by the checkpoint's declared architecture (config.json "architectures"), not its name.
 """
+from .gemma3 import TorchGemma3ForCausalLM
 from .llama import (
     TorchLlamaForCausalLM,
     TorchMistralForCausalLM,
@@ -15,8 +16,9 @@ REFERENCE_ARCHITECTURES: dict[str, type[TorchLlamaForCausalLM]] = {
     "Qwen2ForCausalLM": TorchQwen2ForCausalLM,
     "Qwen3ForCausalLM": TorchQwen3ForCausalLM,
     "MistralForCausalLM": TorchMistralForCausalLM,
+    "Gemma3ForCausalLM": TorchGemma3ForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": TorchQwen2_5_VLForConditionalGeneration,
 }
 
-__all__ = ["REFERENCE_ARCHITECTURES", "TorchLlamaForCausalLM", "TorchMistralForCausalLM",
+__all__ = ["REFERENCE_ARCHITECTURES", "TorchGemma3ForCausalLM", "TorchLlamaForCausalLM", "TorchMistralForCausalLM",
            "TorchQwen2ForCausalLM", "TorchQwen2_5_VLForConditionalGeneration", "TorchQwen3ForCausalLM"]

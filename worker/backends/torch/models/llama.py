@@ -118,6 +118,18 @@ def _sliding_window(config: dict[str, Any], layers: int) -> dict[str, Any]:
     return {"sliding_window": int(window), "sliding_layers": per_layer}
 
 
+def rope_tables(shape: LlamaShape, max_seq_len: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_seq_len, head_dim] of `shape`'s RoPE, and its float32 angles
+    [max_seq_len, head_dim / 2]. rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the
+    sign folded into the sin table saves rotate_half's negation and concatenation in every layer."""
+    freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * _rope_inv_freq(shape)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    half = emb.shape[-1] // 2
+    sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
+    return emb.cos().to(device, dtype), sin.to(device, dtype), freqs
+
+
 def _rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
     dim = shape.head_dim
     inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -230,6 +242,8 @@ class TorchLlamaForCausalLM:
     # The vLLM CPU kernels' path may serve it (a vision model's embeddings and mRoPE need the
     # plain torch forward).
     allows_cpu_kernels: bool = True
+    # Why a class that turns them off cannot use them (logged at allocate_kv_cache).
+    no_cpu_kernels_reason = "its forward is not the one the kernels compute"
 
     def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int) -> None:
@@ -240,14 +254,7 @@ class TorchLlamaForCausalLM:
         self.max_seq_len = max_seq_len
         self.lanes = lanes
         self._load(state)
-        inv_freq = _rope_inv_freq(shape)
-        freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self._cos = emb.cos().to(device, dtype)
-        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign folded into the
-        # table saves rotate_half's negation and concatenation in every layer.
-        half = emb.shape[-1] // 2
-        self._sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1).to(device, dtype)
+        self._cos, self._sin, freqs = rope_tables(shape, max_seq_len, device, dtype)
         # The kernels' RoPE table: cos of each frequency, then its sin ([max_seq_len, head_dim]).
         self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device, dtype)
         self._decode_graph: DecodeGraph | None = None
@@ -318,7 +325,7 @@ class TorchLlamaForCausalLM:
         if num_layers != self.shape.num_layers:
             raise ValueError(f"num_layers={num_layers}, the model has {self.shape.num_layers}")
         why = (f"the KV cache's {dtype} is not the model's {self.dtype}" if dtype != self.dtype else
-               f"{type(self).__name__} feeds input embeddings and its own RoPE positions" if not self.allows_cpu_kernels
+               f"{type(self).__name__}: {self.no_cpu_kernels_reason}" if not self.allows_cpu_kernels
                else cpu_kernels.unavailable(self.device, dtype, block_size, head_dim, self.shape.sliding_window))
         if not why:
             self.kernel_isa = cpu_kernels.isa(dtype, block_size, head_dim)

@@ -184,7 +184,8 @@ class TorchQwen2_5_VLForConditionalGeneration(TorchQwen2ForCausalLM):
 
     # Images are known from the checkpoint (its vision_config), not from a capability key.
     model_capabilities = dict(TorchQwen2ForCausalLM.model_capabilities)
-    allows_cpu_kernels = False  # its forward feeds image embeddings and mRoPE positions
+    allows_cpu_kernels = False
+    no_cpu_kernels_reason = "it feeds input embeddings and its own RoPE positions (images, mRoPE)"
 
     def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int,

@@ -1,0 +1,86 @@
+"""Gemma 3 end to end: openai client -> gateway -> control plane -> worker (the torch Gemma 3), on
+the tiny random-weight checkpoint (worker/planning/tiny_gemma3.py: a 16-token window, local and
+global layers).
+
+The oracle is transformers' generate on the same checkpoint: greedy tokens identical, for prompts
+and answers that run far past the window. The control plane's prefill budget of 16 tokens serves
+every prompt in chunks, and concurrent requests decode together.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+import transformers
+
+from stack import Stack, start_stack
+
+pytestmark = pytest.mark.e2e
+
+NEW_TOKENS = 40
+TEXT = ("The history of the Roman Empire began when the city of Rome, founded on seven hills by the twins "
+        "Romulus and Remus, grew from a small village into the capital of an empire that spanned three "
+        "continents and lasted for more than a thousand years, until its last emperor was deposed.")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_gemma3) -> Stack:
+    s = start_stack(tmp_path_factory.mktemp("gemma3"), str(tiny_gemma3),
+                    control_flags=("--max-num-seqs", "4", "--max-num-batched-tokens", "16"),
+                    # The oracle is transformers in float32: the worker computes in it too.
+                    worker_flags=("--dtype", "float32", "--block-size", "16"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_gemma3):
+    """(tokenizer, transformers' model): the oracle, float32, eager attention."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_gemma3)
+    model = transformers.Gemma3ForCausalLM.from_pretrained(
+        tiny_gemma3, dtype=torch.float32, attn_implementation="eager").eval()
+    return tokenizer, model
+
+
+def greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """transformers' n greedy tokens; the prompts are chosen so that none ends early (no end of
+    sequence to stop at or to mask: ignore_eos serves the same tokens)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    assert len(out) == n, out
+    return out
+
+
+def test_models_lists_the_tiny_gemma3(client, tiny_gemma3):
+    assert [m.id for m in client.models.list().data] == [tiny_gemma3.name]
+
+
+def test_greedy_completions_past_the_window_are_transformers_token_for_token(client, model_name, hf):
+    """Three prompts of 40, 34 and 47 tokens at once, 40 tokens each: 80+ positions over a
+    16-token window."""
+    tokenizer, model = hf
+    ids = tokenizer(TEXT)["input_ids"]
+    prompts = [ids[:40], ids[3:37], ids[1:48]]
+    expected = [greedy(model, p) for p in prompts]
+
+    def complete(prompt: list[int]) -> list[int]:
+        out = client.completions.create(model=model_name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == NEW_TOKENS
+        return out.choices[0].token_ids
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(complete, prompts)) == expected
+
+
+def test_chat_greedy_matches_transformers_with_the_chat_template(client, model_name, hf):
+    tokenizer, model = hf
+    messages = [{"role": "user", "content": "Tell me, in some detail, how the seven hills of Rome were settled."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(ids) > 32  # past the window before the answer starts
+    expected = greedy(model, ids, 24)
+    out = client.chat.completions.create(model=model_name, messages=messages, max_tokens=24, temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].token_ids == expected
