@@ -92,8 +92,10 @@ def test_warmup_builds_the_model_on_the_mesh_then_compiles_before_capturing(mode
     assert (init["max_batch_size"], init["max_seq_len"], init["tt_data_parallel"]) == (ROWS, 256, 1)
     assert init["hf_config"].vocab_size == VOCAB  # a transformers config, as tt-metal reads it
     kv = ttnn.recorder.only("model.allocate_kv_cache")[0]
-    # 4 seqs x 256 tokens in 16-token blocks; 2 KV heads over the N300's 2 chips; head_dim 64 / 4
-    assert (kv["kv_cache_shape"], kv["dtype"], kv["num_layers"]) == ((64, 1, BLOCK, 16), torch.bfloat16, 2)
+    # 4 seqs x 256 tokens in 16-token blocks, and block 0 (the null block the model's padding
+    # writes into); 2 KV heads over the N300's 2 chips; head_dim 64 / 4
+    assert (kv["kv_cache_shape"], kv["dtype"], kv["num_layers"]) == ((64 + 1, 1, BLOCK, 16), torch.bfloat16, 2)
+    assert runner.layout.num_blocks_per_lane == 64
     warmups = [(n.removeprefix("model.warmup_model_"), d["enable_trace"]) for n, d in ttnn.recorder.calls
                if n.startswith("model.warmup_model_")]
     assert warmups == [("prefill", False), ("decode", False)] + [(kind, True) for kind in captured]
@@ -123,7 +125,8 @@ def test_prefill_then_decode_sample_on_the_device_with_tt_metal_params(model_dir
     assert call["enable_trace"] is (trace_mode == "all")
     assert call["empty_slots"] == [ROW["greedy"], ROW["seeded"]]
     assert call["prompt_lens"] == [5, 3] and call["start_pos"] == [0, 0]
-    assert call["page_table"][:, 0].tolist() == [BLOCKS["greedy"][0], BLOCKS["seeded"][0]]
+    # Device block = the control plane's + 1: block 0 takes padding (TtnnBackend.null_block).
+    assert call["page_table"][:, 0].tolist() == [BLOCKS["greedy"][0] + 1, BLOCKS["seeded"][0] + 1]
     assert call["tokens"].tolist() == [PROMPTS["greedy"], PROMPTS["seeded"] + [0, 0]]
     params = call["sampling_params"]
     assert isinstance(params, SamplingParams)
@@ -137,7 +140,7 @@ def test_prefill_then_decode_sample_on_the_device_with_tt_metal_params(model_dir
         assert result.tokens == last and result.sampled_on_device and result.traced is (trace_mode != "none")
         call = ttnn.recorder.only("model.decode_forward")[0]
         assert call["start_pos"] == [position["greedy"], -1, position["seeded"], -1]
-        assert call["page_table"][:, 0].tolist() == [BLOCKS["greedy"][0], 0, BLOCKS["seeded"][0], 0]
+        assert call["page_table"][:, 0].tolist() == [BLOCKS["greedy"][0] + 1, 0, BLOCKS["seeded"][0] + 1, 0]
         assert call["enable_trace"] is (trace_mode != "none") and call["read_from_device"] is False
         assert call["sampling_params"].seed == [None, None, SEED, None]
         # the first decode after a prefill reloads the device's inputs (and seeds); then steady
@@ -305,3 +308,18 @@ def test_warmup_can_be_turned_off(model_dir, monkeypatch):
     runner, ttnn, progress = ttnn_runner(model_dir, monkeypatch, enable_model_warmup=False)
     assert not ttnn.recorder.only("model.warmup_model_prefill") + ttnn.recorder.only("model.warmup_model_decode")
     assert progress[-1][:3] == ("compile", 0, 0) and runner.config is not None  # ready all the same
+
+
+def test_a_released_rows_page_table_is_cleared_before_the_row_serves_again(model_dir, monkeypatch):
+    """A model pads prefills through the zero-padded page table (into the null block): ids a
+    released request left in its row past a new request's blocks would send the new request's
+    padding into blocks another request now owns."""
+    runner, ttnn, _ = ttnn_runner(model_dir, monkeypatch, trace_mode="none")
+    runner.execute(StepBatch(1, "prefill", new_requests=[NewRequest("a", 0, ROW["greedy"], 0.0, 1.0, 0, None)],
+                             prefill=[PrefillChunk("a", list(range(1, 40)), 0, [3, 4, 5], True)]))
+    ttnn.recorder.calls.clear()
+    runner.execute(StepBatch(2, "prefill", released_ids=["a"],
+                             new_requests=[NewRequest("b", 0, ROW["greedy"], 0.0, 1.0, 0, None)],
+                             prefill=[PrefillChunk("b", [1, 5, 9], 0, [9], True)]))
+    [call] = ttnn.recorder.only("model.prefill_forward")
+    assert call["page_table"][0].tolist()[:3] == [9 + 1, 0, 0]  # b's block (device id), then nothing of a's

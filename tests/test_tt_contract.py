@@ -36,6 +36,9 @@ TESTS = Path(__file__).parent
 GALAXY_ENV = {"TT_LLAMA_TEXT_VER": "llama3_70b_galaxy"}
 QWEN_GALAXY_ENV = {"TT_QWEN3_TEXT_VER": "qwen3_32b_galaxy"}
 GALAXY = "models.demos.llama3_70b_galaxy.tt.generator_vllm"
+# TtnnBackend.null_block: device block 0 takes the model's padding, so the device block of the
+# control plane's block b is b + NULL, and one block of the model's budget is not handed out.
+NULL = 1
 
 
 @pytest.fixture
@@ -298,10 +301,13 @@ def test_a_galaxy_gets_its_lane_count_as_tt_data_parallel_and_every_row(tt_metal
 
 @pytest.mark.parametrize("name, tokens", [("Llama-3.1-8B-Instruct", 32_768), ("Llama-3.2-1B", 131_072)])
 def test_the_kv_cache_is_sized_by_the_model_not_a_fixed_131072(tt_metal, no_hf_model, tmp_path, name, tokens):
-    runner, _ = tree_runner(checkpoint(tmp_path, name), "models.tt_transformers.tt.generator_vllm:LlamaForCausalLM",
-                            "N150")
+    runner, ttnn = tree_runner(checkpoint(tmp_path, name), "models.tt_transformers.tt.generator_vllm:LlamaForCausalLM",
+                               "N150")
+    ttnn.recorder.calls.clear()
     warm(runner, max_num_seqs=2, max_model_len=131072)
-    assert runner.layout.num_blocks_per_lane == (tokens + 64 * 2) // 64
+    # The model's budget is what the device holds; block 0 of it takes the padding (NULL).
+    assert runner.layout.num_blocks_per_lane == (tokens + 64 * 2) // 64 - NULL
+    assert ttnn.recorder.only("model.allocate_kv_cache")[0]["kv_cache_shape"][0] == (tokens + 64 * 2) // 64
 
 
 def test_the_check_states_the_kv_budget_and_where_it_comes_from(tt_metal, no_hf_model, tmp_path):
@@ -343,8 +349,8 @@ def test_a_prefix_hit_that_the_generator_floors_rewrites_the_shared_block_with_t
         PrefillChunk("b", [7] * 8, 32, [3, 9], True, cached_token_ids=PROMPT[:32])]))
     model = runner.model
     assert ttnn.recorder.only("model.prefill_recomputed_from")[-1]["floors"] == [0]
-    assert [model.kv[(3, i)] for i in range(32)] == PROMPT[:32]  # a's KV intact
-    assert [model.kv[(9, i)] for i in range(8)] == [7] * 8
+    assert [model.kv[(3 + NULL, i)] for i in range(32)] == PROMPT[:32]  # a's KV intact
+    assert [model.kv[(9 + NULL, i)] for i in range(8)] == [7] * 8
 
 
 def test_chunked_prefill_rows_hold_the_earlier_chunks(tmp_path, monkeypatch):
@@ -354,7 +360,7 @@ def test_chunked_prefill_rows_hold_the_earlier_chunks(tmp_path, monkeypatch):
     runner.execute(StepBatch(2, "prefill", prefill=[PrefillChunk("a", PROMPT[32:], 32, [4], True)]))
     [tokens] = ttnn.recorder.only("model.prefill_forward")[-1]["tokens"].tolist()
     assert tokens == PROMPT
-    assert [runner.model.kv[(3 + i // 32, i % 32)] for i in range(40)] == PROMPT
+    assert [runner.model.kv[(3 + NULL + i // 32, i % 32)] for i in range(40)] == PROMPT
 
 
 def test_a_chunk_past_what_the_worker_holds_of_its_request_is_refused_alone(tmp_path, monkeypatch):
@@ -445,6 +451,100 @@ def test_an_input_update_contract_adapter_gets_its_commands_never_reset_batch(tm
     assert [c["reload_inputs"] for c in commands] == [True, False, False]
     assert [c["reload_page_table"] for c in commands] == [False, True, False]  # the block appended at 32
     assert not ttnn.recorder.only("model.stale_page_table")
+
+
+# ---- the Galaxy generator: its prefill alignment, padding and the decode contract ------------------
+# tests/fakes/tt_metal/models/demos/llama3_70b_galaxy/tt/generator.py mirrors the real Generator.
+
+def galaxy_runner(tmp_path: Path, **tt) -> tuple[ModelRunner, FakeTtnn]:
+    runner, ttnn = tree_runner(checkpoint(tmp_path, "Llama-3.3-70B-Instruct"), f"{GALAXY}:LlamaForCausalLM", "TG",
+                               env=GALAXY_ENV, variant="llama3_70b_galaxy", **tt)
+    warm(runner, num_lanes=4, max_num_seqs=8)
+    return runner, ttnn
+
+
+def test_the_galaxy_generator_fake_speaks_the_decode_input_update_contract(tt_metal):
+    """As tt-metal's host test pins the real class (test_the_base_generators_advertise_the_contract,
+    test_the_legacy_reset_batch_signal_is_rejected)."""
+    import inspect
+
+    from fakes.fake_ttnn import FakeMesh
+    from models.demos.llama3_70b_galaxy.tt.generator import Generator
+    from models.tt_transformers.tt.generator import TTNN
+    assert int(Generator.decode_input_update_contract) >= 1
+    params = inspect.signature(Generator.decode_forward).parameters
+    for command, safe in {"reload_inputs": True, "reload_page_table": False, "reload_sampling_params": False,
+                          "reset_sampling_state": False}.items():
+        assert params[command].kind is inspect.Parameter.KEYWORD_ONLY and params[command].default is safe
+    model = Generator(FakeMesh(TTNN.recorder, "mesh", 32, shape=(8, 4)), 32)
+    with pytest.raises(ValueError, match="predates it"):
+        model.decode_forward(torch.zeros((1, 1), dtype=torch.int64), torch.zeros((1,), dtype=torch.int64),
+                             reset_batch=True)
+
+
+def test_a_galaxy_decode_gets_the_contracts_commands_and_continues_on_the_device(tt_metal, no_hf_model, tmp_path):
+    from fakes.fake_tt_model import next_token
+    runner, ttnn = galaxy_runner(tmp_path, sample_on_device_mode="all")
+    prompt = [(5 * i + 3) % 60 + 3 for i in range(63)]  # the first decode fills block 3, the second needs 4
+    token = runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)],
+                                     prefill=[PrefillChunk("a", prompt, 0, [3], True)])).tokens["a"]
+    tokens = [token]
+    for step, (position, blocks) in enumerate(((63, []), (64, [4]), (65, [])), start=2):
+        out = runner.execute(StepBatch(step, "decode", decode=[DecodeItem("a", token, position, blocks)]))
+        token = out.tokens["a"]
+        tokens.append(token)
+    assert tokens == [next_token(prompt[-1], 62, 64)] + [next_token(t, p, 64) for t, p in zip(tokens, (63, 64, 65))]
+    commands = ttnn.recorder.only("model.decode_commands")
+    assert [c["reload_inputs"] for c in commands] == [True, False, False]
+    assert [c["reload_page_table"] for c in commands] == [False, True, False]  # the block appended at 64
+    assert [c["reload_sampling_params"] for c in commands] == [True, False, False]
+    assert not ttnn.recorder.only("model.stale_page_table") and not ttnn.recorder.only("model.stale_sampling_params")
+    # ttserve warms the prefill itself: the first prefill runs no lazy prefill_warmup.
+    assert not any(w["lazy"] for w in ttnn.recorder.only("model.prefill_warmup"))
+
+
+@pytest.mark.parametrize("prompt_len, hit_blocks, recomputed_from", [
+    (140, 1, 0),       # 64 floors to SDPA_CHUNK_ALIGN: 0
+    (300, 2, 0),       # 128 kept by the alignment, dropped by _should_skip_prefix_caching (1024 vs 1024)
+    (300, 4, 256),     # 44 new tokens: 128 against 1024
+    (1100, 2, 128),    # 1024 against 2048, total <= 16384
+    (1100, 16, 1024),
+])
+def test_a_galaxy_prefix_hit_is_floored_to_128_or_skipped_and_recomputed_from_the_real_tokens(
+        tt_metal, no_hf_model, tmp_path, prompt_len, hit_blocks, recomputed_from):
+    runner, ttnn = galaxy_runner(tmp_path)
+    prompt = [(7 * i + 3) % 60 + 3 for i in range(prompt_len)]
+    blocks_a = list(range(100, 100 + -(-prompt_len // 64)))
+    runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)],
+                             prefill=[PrefillChunk("a", prompt, 0, blocks_a, True)]))
+    start = hit_blocks * 64
+    new_blocks = list(range(200, 200 + len(blocks_a) - hit_blocks))
+    runner.execute(StepBatch(2, "prefill", new_requests=[greedy("b", 1)], prefill=[
+        PrefillChunk("b", prompt[start:], start, blocks_a[:hit_blocks] + new_blocks, True,
+                     cached_token_ids=prompt[:start])]))
+    assert ttnn.recorder.only("model.prefill_recomputed_from")[-1]["floors"] == [recomputed_from]
+    kv = runner.model.kv
+    blocks_b = blocks_a[:hit_blocks] + new_blocks
+    assert [kv[(blocks_a[i // 64] + NULL, i % 64)] for i in range(prompt_len)] == prompt  # a's KV intact
+    assert [kv[(blocks_b[i // 64] + NULL, i % 64)] for i in range(prompt_len)] == prompt
+
+
+def test_a_galaxy_prefills_padding_lands_in_no_other_requests_block(tt_metal, no_hf_model, tmp_path):
+    """The Galaxy generator pads a prefill to 128 and writes the padding's KV through the row's
+    zero-padded page table, into device block 0: the worker keeps that block out of every table
+    (TtnnBackend.null_block), as vLLM keeps block 0 as its null block, so the control plane's
+    first block (a's) is not overwritten."""
+    from ttserve.control.blocks import BlockPool
+    runner, ttnn = galaxy_runner(tmp_path)
+    pool = BlockPool(64, 64)
+    blocks_a, blocks_b = pool.allocate(1), pool.allocate(1)
+    runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)],
+                             prefill=[PrefillChunk("a", PROMPT, 0, blocks_a, True)]))
+    # b's 40 tokens are padded to 128: positions 64..127 go through its row's second entry.
+    runner.execute(StepBatch(2, "prefill", new_requests=[greedy("b", 1)],
+                             prefill=[PrefillChunk("b", PROMPT, 0, blocks_b, True)]))
+    assert ttnn.recorder.only("model.prefill_padding_blocks")[-1]["blocks"] not in ([], blocks_b)
+    assert [runner.model.kv[(blocks_a[0] + NULL, i)] for i in range(40)] == PROMPT
 
 
 # ---- fabric from the cluster type ------------------------------------------------------------------
@@ -585,7 +685,7 @@ def test_a_hybrid_attention_class_allocates_per_layer_in_the_checkpoints_dtype(t
                          options=DeviceOptions({}, backend_traces=True, kv_tokens_per_lane=4096))
     warm(runner, max_num_seqs=4, max_model_len=256)
     [call] = ttnn.recorder.only("model.allocate_kv_cache_per_layer")
-    assert call["specs"] == [((32, 1, 32, 16), torch.float16, 0), ((32, 1, 32, 16), torch.float16, 1)]
+    assert call["specs"] == [((32 + NULL, 1, 32, 16), torch.float16, 0), ((32 + NULL, 1, 32, 16), torch.float16, 1)]
     assert not ttnn.recorder.only("model.allocate_kv_cache")
 
 

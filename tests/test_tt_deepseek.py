@@ -88,7 +88,8 @@ def test_the_mla_cache_is_one_latent_head_per_token_and_the_budget_counts_one_la
     [kv] = ttnn.recorder.only("model.allocate_kv_cache")
     # budget: max_model_len x max_num_seqs (the class's) + a block per row; at most what 2 x 256 needs
     blocks = 2 * 256 // BLOCK
-    assert (kv["kv_cache_shape"], kv["num_layers"]) == ((blocks, 1, BLOCK, LATENT), LAYERS)
+    # + block 0, which takes the model's padding (TtnnBackend.null_block)
+    assert (kv["kv_cache_shape"], kv["num_layers"]) == ((blocks + 1, 1, BLOCK, LATENT), LAYERS)
     assert (runner.layout.num_kv_heads, runner.layout.head_dim) == (1, LATENT)
 
     # Sized by bytes (a backend with no budget of its own): one latent per token and layer, not K and V.

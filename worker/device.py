@@ -56,6 +56,14 @@ class DeviceBackend(Protocol):
         ...
 
     @property
+    def null_block(self) -> bool:
+        """Device block 0 is kept out of every request's table: the model's padding (positions
+        past a prompt, through a zero-padded page table) writes KV there, as vLLM keeps block 0
+        as its null block for the TT plugin. The runner then shifts the control plane's block
+        ids by one and allocates one block more than it reports."""
+        ...
+
+    @property
     def vision_prefill_samples_on_host(self) -> bool:
         """A vision-language model's prefill returns logits whatever `sampling_params` asks, so its
         prefill batches are sampled on the host (tt-metal's qwen25_vl/qwen3_vl generator_vllm.py

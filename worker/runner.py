@@ -146,6 +146,9 @@ class ModelRunner:
         self.hf_config: dict = self.read_config(model_path)
         self.config: ServingConfig | None = None
         self.layout: KvLayout | None = None
+        # Device blocks kept out of every table (DeviceBackend.null_block): the control plane's
+        # block id b is device block b + this.
+        self._null_blocks = int(self.backend.null_block)
         self.model = None
         self.kv_cache = None
         self._requests: dict[str, RequestState] = {}
@@ -239,7 +242,7 @@ class ModelRunner:
         progress("allocate", 0, 1, f"{layout.num_blocks_per_lane} blocks x {self.block_size} "
                  f"tokens per lane, {config.num_lanes} lane(s)")
         self.kv_cache = self.backend.allocate_kv_cache(
-            self.model, layout.num_blocks_per_lane, layout.num_kv_heads, self.block_size, layout.head_dim,
+            self.model, layout.num_blocks_per_lane + self._null_blocks, layout.num_kv_heads, self.block_size, layout.head_dim,
             layout.num_layers, config.num_lanes)
         progress("allocate", 1, 1, "KV cache allocated")
         # Page-table width: what a max_model_len sequence needs, and never more blocks than a
@@ -295,8 +298,8 @@ class ModelRunner:
         # On a mesh the model states its budget; the sim's profile fixes one; else bytes decide.
         fixed = (self.backend.kv_tokens_per_lane(self.model_cls, self.model_path, config, self.block_size)
                  or self.options.kv_tokens_per_lane)
-        if fixed:
-            return KvLayout(min(wanted, -(-fixed // self.block_size)), self.block_size,
+        if fixed:  # a null block comes out of the model's budget
+            return KvLayout(min(wanted, -(-fixed // self.block_size) - self._null_blocks), self.block_size,
                             num_layers, num_kv_heads, head_dim, tensors)
         affordable = self.kv_cache_bytes // (bytes_per_block * config.num_lanes)
         if affordable < 1:
@@ -361,9 +364,9 @@ class ModelRunner:
         batch, refused = check_batch(batch, self._limits, self._requests)
         for request_id, problem in refused.items():
             log.warning("step %d: refused request %s: %s", batch.step_id, request_id, problem)
-            self._requests.pop(request_id, None)
+            self._release(request_id)
         for request_id in batch.released_ids:
-            self._requests.pop(request_id, None)
+            self._release(request_id)
         for new in batch.new_requests:
             self._add(new)
         launched = Launched(StepResult(step_id=batch.step_id, kind=batch.kind, traced=self.options.traced(batch.kind),
@@ -386,7 +389,15 @@ class ModelRunner:
         result.model_s, result.total_s = now - launched.started, now - launched.received
         return result
 
+    def _release(self, request_id: str) -> None:
+        """Drop a request's state and clear its page-table row: ids left past a later request's
+        blocks would send a model's padding into blocks another request now owns."""
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self._page_table[state.row] = 0
+
     def _add(self, new: NewRequest) -> None:
+        self._page_table[new.row] = 0
         generator = None
         if new.seed is not None:
             # A resumed request (preempted, or migrated here) replays the draws of the tokens it
@@ -406,7 +417,7 @@ class ModelRunner:
             first = len(state.block_ids)
             state.block_ids += new_block_ids
             self._page_table[state.row, first:first + len(new_block_ids)] = torch.tensor(
-                new_block_ids, dtype=torch.int32)
+                new_block_ids, dtype=torch.int32) + self._null_blocks
         return state
 
     def _prefill(self, chunks: list[PrefillChunk]

@@ -31,6 +31,7 @@ class TorchBackend:
     # The reference Qwen2.5-VL stands for tt-metal's vision classes (it is their correctness
     # oracle), whose prefill returns logits: its prefill batches are sampled on the host as theirs.
     vision_prefill_samples_on_host = True
+    null_block = False  # the reference models write only real positions (traced empty rows: a scratch block)
 
     def __init__(self, device: torch.device, dtype: torch.dtype, traced: Callable[[str], bool]) -> None:
         self.device = device

@@ -114,6 +114,10 @@ class TtnnBackend:
     # tt-metal's vision classes drop sampling_params in prefill and return logits
     # (models/demos/qwen25_vl and qwen3_vl tt/generator_vllm.py `prefill_forward`).
     vision_prefill_samples_on_host = True
+    # tt-metal pads prefills (tt_transformers to powers of two, the Galaxy generator to 128) and
+    # writes the padding's KV through the zero-padded page table: into block 0, which vLLM never
+    # gives a request (its null block).
+    null_block = True
 
     def __init__(self, spec: MeshSpec, options: Mapping[str, Any], *, variant: str | None = None,
                  env: Mapping[str, str] = os.environ, cluster: str | None = None, ttnn: Any = None) -> None:

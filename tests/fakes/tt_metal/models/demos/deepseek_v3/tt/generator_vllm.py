@@ -26,8 +26,13 @@
   ids), host sampling returns host logits [B, 1, V] whatever read_from_device says;
 - read_decode_output passes a host tensor through ((tensor, []) with async_read) and turns device
   tokens into host token ids (again with no events).
-Neither this class nor its base DeepseekGenerator (models/demos/deepseek_v3/tt/generator.py, the
-version stored in the index, id 51801428865) defines process_decode_output_host: the plugin calls it
+The base DeepseekGenerator this class extends at 01656bf (models/demos/deepseek_v3/tt/generator.py)
+is not in the index: the stored versions (ids 51801428865, 54245576761) predate it (no vllm_context
+argument, no _validate_and_initialize_sampling or sample_decode_on_device). The fake's base does
+only what generator_vllm.py @01656bf calls on it, with signatures taken from those calls; the
+real base also loads and converts weights (into DEEPSEEK_V3_CACHE, else ./generated/deepseek_v3),
+loads the tokenizer before any mesh check, and validates max_seq_len, none of which this fake does.
+Neither this class nor any stored base defines process_decode_output_host: the plugin calls it
 only for a decode output that is not already a host tensor (vllm-tt-plugin e3fc849 async_decode.py
 `finalize_decode`), and read_decode_output here always returns host tensors. The fake defines none
 either. From that generator.py: warmup_model_prefill(kv_cache, enable_trace, can_sample_on_device,

@@ -12,20 +12,24 @@ llama3_70b_galaxy, TT_QWEN3_TEXT_VER=qwen3_32b_galaxy):
   32-device submeshes only, so on an 8x4 mesh only 4 lanes load;
 - model_capabilities: Llama prefix caching, async decode and device sampling; Qwen3 device
   sampling only;
-- no get_max_tokens_all_users: the plugin falls back to 131072.
+- no get_max_tokens_all_users: the plugin falls back to 131072;
+- both adapters subclass generator.py's `Generator` (fakes of it: ./generator.py) and forward
+  `prefill_forward(*args, **kwargs)` to its `prefill_forward_text` and `decode_forward(*args,
+  **kwargs)` to its `decode_forward` unchanged, so they inherit its decode input-update contract
+  (`decode_input_update_contract`, the four commands, `reset_batch` refused). Their
+  allocate_kv_cache(kv_cache_shape, dtype, num_layers) (one spec per layer in the real one) is
+  the recording fake's.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from fakes.fake_tt_model import make_model_class
 from fakes.fake_ttnn import FakeMesh
 
+from models.demos.llama3_70b_galaxy.tt.generator import Generator
 from models.demos.llama3_70b_galaxy.tt.model_config import LlamaOptimizations, TtModelArgs
 from models.demos.llama3_70b_galaxy.tt.qwen_model_config import TtQwenModelArgs
 from models.tt_transformers.tt.generator import TTNN
-
-_Generator = make_model_class(TTNN)
 
 
 def create_submeshes(mesh_device: Any, data_parallel: int) -> list[Any]:
@@ -72,7 +76,7 @@ def initialize_vllm_text_transformer_qwen(hf_config: Any, tt_data_parallel: int,
                              max_seq_len)
 
 
-class _GalaxyGenerator(_Generator):
+class _GalaxyGenerator(Generator):
     _initialize = staticmethod(initialize_vllm_text_transformer)
 
     @classmethod
@@ -83,6 +87,12 @@ class _GalaxyGenerator(_Generator):
         cls._initialize(hf_config, tt_data_parallel, mesh_device, max_batch_size, max_seq_len, n_layers)
         return super().initialize_vllm_model(hf_config, mesh_device, max_batch_size, max_seq_len, n_layers,
                                              tt_data_parallel, None)
+
+    def prefill_forward(self, *args: Any, **kwargs: Any) -> Any:
+        return super().prefill_forward_text(*args, **kwargs)
+
+    def decode_forward(self, *args: Any, **kwargs: Any) -> Any:
+        return super().decode_forward(*args, **kwargs)
 
 
 class LlamaForCausalLM(_GalaxyGenerator):
