@@ -62,6 +62,25 @@ def tiny_gemma3(smollm2, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_tiny_gemma3(tiny_gemma3):
+    """(tokenizer, transformers' model) for tiny_gemma3, the oracle: float32, eager attention."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_gemma3)
+    model = transformers.Gemma3ForCausalLM.from_pretrained(
+        tiny_gemma3, dtype=torch.float32, attn_implementation="eager").eval()
+    return tokenizer, model
+
+
+def assert_logits_close(ours, ref, rel_tol: float = 1e-4) -> None:
+    """Logits within rel_tol of the reference's largest magnitude (the reference models' oracle check)."""
+    scale = float(ref.abs().max())
+    diff = float((ours.float() - ref.float()).abs().max())
+    assert diff <= rel_tol * scale, f"max abs diff {diff:.3g} exceeds {rel_tol} x {scale:.3g}"
+
+
+@pytest.fixture(scope="session")
 def hf_tiny_vlm(tiny_vlm):
     """transformers' model and processor for tiny_vlm, the oracle: (processor, model) in float32
     with eager attention. The processor is the gateway's images-only Qwen2.5-VL processor (the

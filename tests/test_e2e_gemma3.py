@@ -12,7 +12,6 @@ import concurrent.futures
 
 import pytest
 import torch
-import transformers
 
 from stack import Stack, start_stack
 
@@ -35,12 +34,8 @@ def stack(tmp_path_factory, tiny_gemma3) -> Stack:
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_gemma3):
-    """(tokenizer, transformers' model): the oracle, float32, eager attention."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_gemma3)
-    model = transformers.Gemma3ForCausalLM.from_pretrained(
-        tiny_gemma3, dtype=torch.float32, attn_implementation="eager").eval()
-    return tokenizer, model
+def hf(hf_tiny_gemma3):
+    return hf_tiny_gemma3
 
 
 def greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:

@@ -5,6 +5,7 @@ This is the control plane's half of surviving its own loss (the gateway re-adds 
 Real worker and control plane processes, SmolLM2 in float32."""
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -98,6 +99,29 @@ def restart_control(stack) -> None:
     stack.services[1] = Service(control.name, control.args, control.log_path).start()
 
 
+def read_stream(open_stream, started=None) -> tuple[list[int], list[str], list[float]]:
+    """A streamed completion's or chat completion's token ids (vLLM's `return_token_ids` field of
+    each choice), finish reasons (an API error ends it as one) and the seconds between chunks;
+    `started` is set at the first tokens."""
+    import openai
+
+    tokens, reasons, gaps, last = [], [], [], time.monotonic()
+    try:
+        for chunk in open_stream():
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            for choice in chunk.choices:
+                tokens += getattr(choice, "token_ids", None) or []
+                if choice.finish_reason:
+                    reasons.append(choice.finish_reason)
+            if started is not None and tokens:
+                started.set()
+    except openai.APIError as e:
+        reasons.append(f"error: {e}")
+    return tokens, reasons, gaps
+
+
 def caught_by(stream, n: int, fault) -> dict:
     """Runs `stream(i, started, out)` for i < n on threads, calls `fault()` once every stream has
     its first tokens (each sets its `started`), and returns `out` when all have ended."""
@@ -130,23 +154,9 @@ def sixteen_streams_through(stack, model: str, lose) -> dict:
     extra = [{"seed": i} if i % 2 else {} for i in range(16)]
 
     def stream(i: int, started: threading.Event | None, out: dict) -> None:
-        chunks = client.completions.create(model=model, prompt=prompts[i], max_tokens=MAX_TOKENS,
-                                           temperature=0.8 if extra[i] else 0, stream=True, timeout=300,
-                                           extra_body={"ignore_eos": True, "return_token_ids": True, **extra[i]})
-        tokens, reasons, gaps, last = [], [], [], time.monotonic()
-        try:
-            for chunk in chunks:
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-                for choice in chunk.choices:
-                    tokens += choice.token_ids or []
-                    if choice.finish_reason:
-                        reasons.append(choice.finish_reason)
-                if started is not None and tokens:
-                    started.set()
-        except openai.APIError as e:
-            reasons.append(f"error: {e}")
+        tokens, reasons, gaps = read_stream(lambda: client.completions.create(
+            model=model, prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0.8 if extra[i] else 0, stream=True,
+            timeout=300, extra_body={"ignore_eos": True, "return_token_ids": True, **extra[i]}), started)
         out[i] = (tokens, reasons, max(gaps[1:], default=0.0))
 
     references: dict = {}
@@ -313,6 +323,53 @@ def test_a_gateway_stopped_while_its_requests_wait_to_resume_ends_them_and_exits
         stack.stop()
 
 
+def test_a_step_stream_that_leaves_a_probe_unanswered_is_ended_for_the_next_control_plane(tmp_path, smollm2):
+    """The probe alone, without the race against keepalive a frozen process runs: the stream is
+    held by a client whose HTTP/2 layer lives (it answers keepalive pings, so keepalive never ends
+    the stream) but which sends nothing, as a control plane whose event loop is gone. A second
+    stream takes the worker once the probe goes unanswered, and the first ends with ABORTED
+    saying why (worker/server.py PROBE_TIMEOUT_S)."""
+    import threading
+
+    import grpc
+
+    from stack import free_port, start_worker, wait_until
+    from ttserve.protocol import CALL_METADATA, CHANNEL_OPTIONS
+    from ttserve.v1 import device_pb2, device_pb2_grpc
+
+    port = free_port()
+    worker = start_worker(tmp_path, str(smollm2), port)
+    never = threading.Event()
+
+    def silent():  # sends nothing, ever
+        never.wait()
+        yield from ()
+
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) for _ in range(2)]
+    try:
+        stubs = [device_pb2_grpc.DeviceStub(c) for c in channels]
+        wait_until(lambda: stubs[0].Describe(device_pb2.DescribeRequest(), metadata=CALL_METADATA, timeout=2), 120,
+                   "the worker")
+        held = stubs[0].Step(silent(), metadata=CALL_METADATA)
+        held.initial_metadata()  # the worker holds this stream
+        contender = stubs[1].Step(silent(), metadata=CALL_METADATA)
+        contender.initial_metadata()  # ... and now this one
+        assert "sent nothing for 5 s after a probe: it is gone" in worker.output()
+        seen = []
+        with pytest.raises(grpc.RpcError) as ended:
+            for message in held:
+                seen.append(message)
+        assert [m.probe for m in seen] == [True]
+        assert ended.value.code() == grpc.StatusCode.ABORTED
+        assert "now serves another control plane" in ended.value.details()
+        contender.cancel()
+    finally:
+        never.set()
+        for channel in channels:
+            channel.close()
+        worker.stop()
+
+
 def test_streams_survive_a_frozen_control_plane_on_a_standby_the_worker_probes_it_for(tmp_path, smollm2):
     """A control plane whose host vanished leaves its connections open (no reset) until keepalive
     ends them (~30 s); SIGSTOP gives the same. The worker probes the frozen one's step stream for
@@ -329,13 +386,16 @@ def test_streams_survive_a_frozen_control_plane_on_a_standby_the_worker_probes_i
         assert not control_ready(standby) and "it is gone" not in stack.services[0].output()
         assert metric(standby_metrics, "ttserve_worker_standby", worker="0") == 0  # still asking
         sixteen_streams_through(stack, smollm2.name, lambda stack: first.proc.send_signal(signal.SIGSTOP))
-        assert "it is gone; its stream ends" in stack.services[0].output()
         assert metric(standby_metrics, "ttserve_request_resumptions_total", outcome="admitted") >= 1
+        # The worker ended the frozen one's stream by its probe (the usual case: "it is gone" in
+        # its log) or by keepalive, whichever came first (a ping due just before the freeze ends
+        # the stream 10 s after it); the test above runs the probe alone.
         first.proc.send_signal(signal.SIGCONT)
+        lost = re.compile(r"worker at \S+ (ended the step stream|failed)")
         deadline = time.monotonic() + 30
-        while "now serves another control plane" not in first.output() and time.monotonic() < deadline:
+        while not lost.search(first.output()) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert "now serves another control plane" in first.output(), first.output()[-3000:]
+        assert lost.search(first.output()), first.output()[-3000:]
     finally:
         first.proc.send_signal(signal.SIGCONT)
         stack.stop()
@@ -364,28 +424,17 @@ def test_requests_with_images_resume_with_their_images_through_a_restarted_contr
     def stream(i: int, started: threading.Event | None, out: dict) -> None:
         content = [{"type": "text", "text": f"Picture {i}:"}, {"type": "image_url", "image_url": {"url": data_url(i)}},
                    {"type": "text", "text": "describe it."}]
-        tokens, text, reasons = [], [], []
-        try:
-            for chunk in client.chat.completions.create(
-                    model=tiny_vlm.name, messages=[{"role": "user", "content": content}], temperature=0,
-                    max_tokens=1200, stream=True, timeout=300,  # long enough to be caught by the kill
-                    extra_body={"ignore_eos": True, "return_token_ids": True}):
-                for choice in chunk.choices:  # a chat chunk's token ids: vLLM's extra field
-                    tokens += getattr(choice, "token_ids", None) or []
-                    text.append(choice.delta.content or "")
-                    if choice.finish_reason:
-                        reasons.append(choice.finish_reason)
-                if started is not None and tokens:
-                    started.set()
-        except openai.APIError as e:
-            reasons.append(f"error: {e}")
-        out[i] = (tokens, "".join(text), reasons)
+        tokens, reasons, _ = read_stream(lambda: client.chat.completions.create(
+            model=tiny_vlm.name, messages=[{"role": "user", "content": content}], temperature=0,
+            max_tokens=1200, stream=True, timeout=300,  # long enough to be caught by the kill
+            extra_body={"ignore_eos": True, "return_token_ids": True}), started)
+        out[i] = (tokens, reasons)
 
     try:
         references: dict = {}
         for i in range(3):
             stream(i, None, references)
-        assert all(len(r[0]) == 1200 and r[2] == ["length"] for r in references.values()), references
+        assert all(len(r[0]) == 1200 and r[1] == ["length"] for r in references.values()), references
         # Different images, different tokens: a resumption without its image would show.
         assert len({tuple(r[0]) for r in references.values()}) == 3, references
         results = caught_by(stream, 3, lambda: restart_control(stack))

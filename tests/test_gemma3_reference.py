@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import assert_logits_close
 
 from ttserve.worker.backends.torch.backend import TorchBackend
 from ttserve.worker.backends.torch.models import REFERENCE_ARCHITECTURES, TorchGemma3ForCausalLM
@@ -33,10 +34,6 @@ TEXT = ("The history of the Roman Empire began when the city of Rome, founded on
         "continents and lasted for more than a thousand years, until its last emperor was deposed.")
 
 
-def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    scale = float(ref.abs().max())
-    diff = float((ours.float() - ref.float()).abs().max())
-    assert diff <= REL_TOL * scale, f"max abs diff {diff:.3g} exceeds {REL_TOL} x {scale:.3g}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,12 +47,8 @@ def config(tiny_gemma3) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_gemma3):
-    """(tokenizer, transformers' model): the oracle, float32, eager attention."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_gemma3)
-    model = transformers.Gemma3ForCausalLM.from_pretrained(
-        tiny_gemma3, dtype=torch.float32, attn_implementation="eager").eval()
-    return tokenizer, model
+def hf(hf_tiny_gemma3):
+    return hf_tiny_gemma3
 
 
 @pytest.fixture(scope="module")

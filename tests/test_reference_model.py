@@ -23,14 +23,7 @@ from ttserve.worker.backends.torch.models import REFERENCE_ARCHITECTURES, TorchL
 from ttserve.worker.sampling import SamplingBatch
 
 import transformers  # noqa: E402
-
-REL_TOL = 1e-4
-
-
-def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    scale = float(ref.abs().max())
-    diff = float((ours.float() - ref.float()).abs().max())
-    assert diff <= REL_TOL * scale, f"max abs diff {diff:.3g} exceeds {REL_TOL} x {scale:.3g}"
+from conftest import assert_logits_close  # noqa: E402
 
 
 # --- fixtures --------------------------------------------------------------------------------

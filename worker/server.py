@@ -266,14 +266,17 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
         """Acquire the step stream for a new stream: at once when none is held; else when the
         holder ends, or when it leaves a probe unanswered for PROBE_TIMEOUT_S after it went out
         (its control plane is gone: its stream is ended). A holder in a device step sends the
-        probe when the step ends. False after TAKEOVER_WAIT_S of a holder that answers."""
+        probe when the step ends. False after TAKEOVER_WAIT_S of a holder that answers (a probe
+        still unanswered then is waited out first: the holder may be the one that is gone)."""
         deadline = time.monotonic() + TAKEOVER_WAIT_S
         acquire = asyncio.ensure_future(self._stream_lock.acquire())
         asked, next_probe = 0.0, 0.0
         try:
-            while not acquire.done() and (now := time.monotonic()) < deadline:
-                sent, holder = self._probe_sent_at, self._stream_task
+            while not acquire.done():
+                now, sent, holder = time.monotonic(), self._probe_sent_at, self._stream_task
                 unanswered = asked > 0 and sent >= asked and self._stream_heard < sent
+                if now >= deadline and not unanswered:  # a probe out at the deadline is waited for
+                    break
                 if holder is not None and holder is not self._replaced and unanswered \
                         and now - sent >= PROBE_TIMEOUT_S:
                     log.warning("the control plane holding the step stream sent nothing for %g s after a probe: "
