@@ -255,8 +255,9 @@ class ModelRunner:
                         " and capture traces while serving" if self.options.traced("decode")
                         or self.options.traced("prefill") else "")
             progress("compile", 0, 0, "warmup disabled (tt.enable_model_warmup=false)")
-        # Persistent page table, one row per device row; rows of released requests go stale but
-        # are never read: decode reads only rows with a position, prefill only its own rows.
+        # Persistent page table, one row per device row, in device block ids; a row is cleared
+        # when its request is released and when a new request takes it (_release, _add): a model
+        # that pads a prefill writes the padding through the row's entries past its blocks.
         self._page_table = torch.zeros(config.num_lanes * config.max_num_seqs, width, dtype=torch.int32)
         self._limits = Limits(config.num_lanes, config.max_num_seqs, layout.num_blocks_per_lane, self.block_size,
                               config.max_model_len, width, self.vocab_size)
@@ -299,9 +300,12 @@ class ModelRunner:
         fixed = (self.backend.kv_tokens_per_lane(self.model_cls, self.model_path, config, self.block_size)
                  or self.options.kv_tokens_per_lane)
         if fixed:  # a null block comes out of the model's budget
-            return KvLayout(min(wanted, -(-fixed // self.block_size) - self._null_blocks), self.block_size,
-                            num_layers, num_kv_heads, head_dim, tensors)
-        affordable = self.kv_cache_bytes // (bytes_per_block * config.num_lanes)
+            usable = min(wanted, -(-fixed // self.block_size) - self._null_blocks)
+            if usable < 1:
+                raise ValueError(f"the model's KV budget of {fixed} tokens per lane holds no KV block of "
+                                 f"{self.block_size} tokens beside the null block")
+            return KvLayout(usable, self.block_size, num_layers, num_kv_heads, head_dim, tensors)
+        affordable = self.kv_cache_bytes // (bytes_per_block * config.num_lanes) - self._null_blocks
         if affordable < 1:
             raise ValueError(f"--kv-cache-memory-bytes {self.kv_cache_bytes} cannot hold one KV block "
                              f"({bytes_per_block * config.num_lanes} bytes over {config.num_lanes} lanes)")

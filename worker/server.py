@@ -275,7 +275,9 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             while not acquire.done():
                 now, sent, holder = time.monotonic(), self._probe_sent_at, self._stream_task
                 unanswered = asked > 0 and sent >= asked and self._stream_heard < sent
-                if now >= deadline and not unanswered:  # a probe out at the deadline is waited for
+                # A probe out at the deadline is waited for, at most its timeout: later contenders'
+                # probes must not keep this one waiting.
+                if now >= deadline and (not unanswered or now >= deadline + PROBE_TIMEOUT_S + TAKEOVER_POLL_S):
                     break
                 if holder is not None and holder is not self._replaced and unanswered \
                         and now - sent >= PROBE_TIMEOUT_S:
