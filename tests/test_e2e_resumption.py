@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -125,7 +126,6 @@ def read_stream(open_stream, started=None) -> tuple[list[int], list[str], list[f
 def caught_by(stream, n: int, fault) -> dict:
     """Runs `stream(i, started, out)` for i < n on threads, calls `fault()` once every stream has
     its first tokens (each sets its `started`), and returns `out` when all have ended."""
-    import threading
 
     results: dict = {}
     started = [threading.Event() for _ in range(n)]
@@ -144,8 +144,6 @@ def sixteen_streams_through(stack, model: str, lose) -> dict:
     """16 streams (greedy and seeded) run once undisturbed, then again with `lose(stack)` called
     once each has its first tokens. Every one must finish with its undisturbed tokens; returns
     the counts and the longest pause a client saw between two chunks."""
-    import threading
-    import time
 
     import openai
 
@@ -221,8 +219,6 @@ def test_streams_survive_a_sigkilled_control_plane_on_a_standby_that_takes_its_w
 def test_every_kind_of_request_resumes_through_a_restarted_control_plane(tmp_path, smollm2):
     """Non-streaming, n > 1 (seeded), logprobs and structured output all come back from a
     SIGKILLed and restarted control plane with what an uninterrupted run returns."""
-    import threading
-    import time
 
     import openai
 
@@ -293,7 +289,6 @@ def test_every_kind_of_request_resumes_through_a_restarted_control_plane(tmp_pat
 
 
 def test_a_gateway_stopped_while_its_requests_wait_to_resume_ends_them_and_exits_0(tmp_path, smollm2):
-    import time
 
     import openai
 
@@ -329,7 +324,6 @@ def test_a_step_stream_that_leaves_a_probe_unanswered_is_ended_for_the_next_cont
     the stream) but which sends nothing, as a control plane whose event loop is gone. A second
     stream takes the worker once the probe goes unanswered, and the first ends with ABORTED
     saying why (worker/server.py PROBE_TIMEOUT_S)."""
-    import threading
 
     import grpc
 
@@ -407,7 +401,6 @@ def test_requests_with_images_resume_with_their_images_through_a_restarted_contr
     of an uninterrupted run. The tiny random-weight Qwen2.5-VL: its output depends on the image."""
     import base64
     import io
-    import threading
 
     import openai
 
