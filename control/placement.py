@@ -32,7 +32,7 @@ def choose_lane(candidates: list[Candidate], request: Request) -> Candidate:
     caching = [c for c in candidates if c.lane.pool.enable_caching and c.score <= best.score + NEAR_EQUAL]
     if caching and request.num_tokens > caching[0].lane.pool.block_size:
         hashes = request.full_block_hashes(caching[0].lane.pool.block_size, request.num_tokens - 1)
-        hits = [(len(c.lane.pool.lookup(hashes)), -c.score) for c in caching]
+        hits = [(c.lane.pool.lookup(hashes).num_blocks, -c.score) for c in caching]
         top = max(hits)
         if top[0] > 0:
             best = caching[hits.index(top)]

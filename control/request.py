@@ -3,8 +3,9 @@
 Its fields change only through the named transitions below, each the one writer of the fields it
 names (tests/test_ownership.py checks it), called by whoever holds the request at the time: its
 lane's `Scheduler` while it is on a lane, the engine while it is on none (arriving, migrating).
-Two exceptions, written elsewhere by design: the block table (`block_ids`, `num_published_blocks`)
-is written only by its lane's `BlockPool` (control/blocks.py), and the client-facing progress
+Two exceptions, written elsewhere by design: the block tables (`block_tables`,
+`num_skipped_blocks`, `num_published_blocks`) are written only by its lane's `BlockPool`
+(control/blocks.py), and the client-facing progress
 (`num_sent_tokens`, `unsent_logprobs`) and lifecycle times by `mark_sent` and the `record_*`
 events, here too.
 
@@ -91,7 +92,8 @@ class Request:
     held_bytes: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    # Invariant: KV of all_token_ids[:num_computed_tokens] is in the blocks of block_ids.
+    # Invariant: KV of all_token_ids[:num_computed_tokens] is in its blocks (block_tables; a
+    # sliding-window group's: the tokens its window still reads).
     num_computed_tokens: int = 0
     # Sampling rows planned for it whose results have not been applied: 1 while a step that
     # samples it runs, 2 while a pipelined decode (async decode) runs ahead of that one. Its next
@@ -99,7 +101,10 @@ class Request:
     num_in_flight: int = 0
     # The prefill since the last (re)admission has sampled: the request decodes from now on.
     prefilled: bool = False
-    block_ids: list[int] = field(default_factory=list)   # written by its lane's BlockPool alone
+    # Per KV group, the blocks it holds (written by its lane's BlockPool alone; empty while it
+    # holds none), and per group how many leading blocks a sliding window let go (blocks.py).
+    block_tables: list[list[int]] = field(default_factory=list)
+    num_skipped_blocks: list[int] = field(default_factory=list)
     # Where it runs, chosen at arrival and never changed: worker index and lane within it.
     worker: int = 0
     lane: int = 0
@@ -150,6 +155,11 @@ class Request:
     num_timed_tokens: int = 0                # output tokens whose arrival is recorded
     # Output tokens it arrived with (resumed): produced elsewhere, so not counted as generated here.
     num_resumed_tokens: int = 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Its blocks in the first KV group (full attention: one per logical block)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -263,7 +273,7 @@ class Request:
     def requeued(self) -> None:
         """Back to waiting with nothing on any device (after `dropped`): it recomputes from its
         prompt and the tokens it has, and the client sees none twice."""
-        assert self.slot is None and not self.block_ids
+        assert self.slot is None and not self.block_tables
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.prefilled = False

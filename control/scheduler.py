@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import logging
 
 from . import images
-from .blocks import BlockPool
+from .blocks import BlockPool, PrefixHit
 from .client_text import first_line
 from .request import FinishReason, Request, RequestStatus, TokenLogprobs
-from .step import DecodeWork, PrefillWork, StepKind, StepPlan
+from .step import DecodeWork, GroupBlocks, PrefillWork, StepKind, StepPlan
 from .stop import check_stop
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Scheduler:
         """A request another lane gave up (`release`: its worker was lost, drained or failed a
         step) joins the head of the queue and recomputes from prompt + the tokens it has, as a
         preempted request resumes (the client has seen those tokens and sees no others twice)."""
-        assert request.status is RequestStatus.WAITING and request.slot is None and not request.block_ids
+        assert request.status is RequestStatus.WAITING and request.slot is None and not request.block_tables
         self.waiting.appendleft(request)
 
     def release(self) -> list[Request]:
@@ -191,7 +191,7 @@ class Scheduler:
                 # min_tokens masks its EOS: no device-resident pipeline.
                 return None
             rows, needed = rows + 1, needed + blocks
-        return rows if self.pool.can_allocate(needed) else None
+        return rows if self.pool.can_grow(needed) else None
 
     @staticmethod
     def _mask(plan: StepPlan) -> None:
@@ -212,27 +212,30 @@ class Scheduler:
         while self.waiting and not self.waiting[0].ready:
             self.skipped.append(self.waiting.popleft())
 
-    def _admission(self, request: Request, budget: int) -> tuple[list[int], int, int] | None:
-        """(prefix-cache hits, first chunk end, new blocks) to admit `request` now, or None."""
-        hits: list[int] = []
+    def _admission(self, request: Request, budget: int) -> tuple[PrefixHit, int, int] | None:
+        """(prefix-cache hit, first chunk end, new blocks per group) to admit `request` now, or None."""
+        hit = self.pool.lookup([])
         if self.pool.enable_caching:
             # The last known token is always computed: it yields the logits to sample from.
             hashes = request.full_block_hashes(self.pool.block_size, request.num_tokens - 1)
-            hits = self.pool.lookup(hashes)
-            if len(hits) < len(hashes) and hashes[len(hits)] in self._prefix_being_computed():
+            hit = self.pool.lookup(hashes)
+            if hit.num_blocks < len(hashes) and hashes[hit.num_blocks] in self._prefix_being_computed():
                 # A running request (a sibling of `n` > 1, or the same prompt just before) is
                 # computing the next blocks now: wait for them to publish and share them.
                 return None
-            if request.images:  # resume outside every image: an image is computed whole
-                hits = hits[:images.usable_hit_blocks(request.images, len(hits), self.pool.block_size)]
-        start = len(hits) * self.pool.block_size
+            # Resume outside every image (an image is computed whole): a shorter prefix, found
+            # again (a sliding group's window at the new resume point may hold other blocks).
+            while request.images and (usable := images.usable_hit_blocks(
+                    request.images, hit.num_blocks, self.pool.block_size)) < hit.num_blocks:
+                hit = self.pool.lookup(hashes[:usable])
+        start = hit.num_blocks * self.pool.block_size
         end = self._chunk_end(request, start, budget)
         if end is None:
             return None
-        new_blocks = self.pool.blocks_for(end) - len(hits)
-        if not self.pool.can_allocate(new_blocks + self.pool.num_free_among(hits)):
+        new_blocks = self.pool.blocks_for(end) - hit.num_blocks
+        if not self.pool.can_allocate(new_blocks * self.pool.num_groups + self.pool.num_free_among(hit.block_ids)):
             return None
-        return hits, end, new_blocks
+        return hit, end, new_blocks
 
     def _prefix_being_computed(self) -> set[int]:
         """Hashes of full blocks that running prefills will publish when their chunks land."""
@@ -308,16 +311,23 @@ class Scheduler:
         admission = self._admission(request, budget)
         if admission is None:
             return 0
-        hits, end, new_blocks = admission
+        hit, end, new_blocks = admission
         if not payload.take(images.unsent(request.images, request.num_sent_images, end)):
             return 0  # its images would pass the step's message: it goes first in a later step
         self.waiting.popleft()
-        self._start(request, plan, hits)
+        self._start(request, plan, hit)
         start = request.num_computed_tokens
-        new_ids = self.pool.grow(request, new_blocks)
-        self._plan_chunk(plan, PrefillWork(request, start, end, hits + new_ids, sample=end == request.num_tokens,
-                                           images=self._images_for(request, end)))
+        # The first chunk sends the hit's blocks too: the worker's tables start empty.
+        new_ids = [table + new for table, new in zip(hit.tables, self.pool.grow(request, new_blocks))]
+        self._plan_chunk(plan, PrefillWork(request, start, end, new_ids[0], sample=end == request.num_tokens,
+                                           images=self._images_for(request, end),
+                                           groups=self._groups(request, new_ids)))
         return end - start
+
+    @staticmethod
+    def _groups(request: Request, new_ids: list[list[int]]) -> list[GroupBlocks]:
+        """A step item's blocks in the KV groups past the first."""
+        return [GroupBlocks(ids, skipped) for ids, skipped in zip(new_ids[1:], request.num_skipped_blocks[1:])]
 
     @staticmethod
     def _plan_chunk(plan: StepPlan, work: PrefillWork) -> None:
@@ -325,12 +335,12 @@ class Scheduler:
             work.request.planned()
         plan.prefill.append(work)
 
-    def _start(self, request: Request, plan: StepPlan, hits: list[int]) -> None:
-        """Move an admitted request to running with its prefix-cache hits in place."""
+    def _start(self, request: Request, plan: StepPlan, hit: PrefixHit) -> None:
+        """Move an admitted request to running with its prefix-cache hit in place."""
         if request.num_preemptions == 0 and self.pool.enable_caching:
-            self.pool.record_query(max(request.num_tokens - 1, 0) // self.pool.block_size, len(hits))
-        request.started(heapq.heappop(self._free_slots), len(hits) * self.pool.block_size)
-        self.pool.assign(request, hits)
+            self.pool.record_query(max(request.num_tokens - 1, 0) // self.pool.block_size, hit.num_blocks)
+        request.started(heapq.heappop(self._free_slots), hit.num_blocks * self.pool.block_size)
+        self.pool.assign(request, hit)
         self.running.append(request)
         plan.new_requests.append(request)
 
@@ -350,18 +360,20 @@ class Scheduler:
             return 0
         payload.take(carried)
         new_ids = self.pool.grow(request, needed)
-        self._plan_chunk(plan, PrefillWork(request, start, end, new_ids, sample=end == request.num_tokens,
-                                           images=self._images_for(request, end)))
+        self._plan_chunk(plan, PrefillWork(request, start, end, new_ids[0], sample=end == request.num_tokens,
+                                           images=self._images_for(request, end),
+                                           groups=self._groups(request, new_ids)))
         return end - start
 
     def _make_room(self, request: Request, needed: int, preempt_self: bool = True) -> bool:
-        """Preempt running requests newer than `request` until `needed` blocks are free.
+        """Preempt running requests newer than `request` until `needed` more blocks (in every
+        KV group) are free.
 
         If it is the newest and still does not fit, a decode preempts itself (it must either run
         or give its blocks back); a partial prefill keeps its blocks and waits instead, since
         giving them up would only make it recompute the same chunks.
         """
-        while not self.pool.can_allocate(needed):
+        while not self.pool.can_grow(needed):
             victim = self.running[-1]
             if victim is request and not preempt_self:
                 return False
@@ -391,8 +403,9 @@ class Scheduler:
                 continue
             # With a token in flight the worker feeds the one it sampled (still on the device).
             in_flight = request.num_in_flight
+            new_ids = self.pool.grow(request, needed)
             work = DecodeWork(request, None if in_flight else request.output_token_ids[-1],
-                              request.num_tokens - 1 + in_flight, self.pool.grow(request, needed) if needed else [])
+                              request.num_tokens - 1 + in_flight, new_ids[0], groups=self._groups(request, new_ids))
             request.planned()
             plan.decode.append(work)
         # A victim may have been planned before it was preempted: drop it from this step.
@@ -449,7 +462,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.computed(work.end)
-            self.pool.publish(request)
+            self.pool.advance(request)
             if work.sample:
                 self._append(request, sampled[request.request_id], logprobs, changed)
         for work in plan.decode:
@@ -457,7 +470,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.computed(work.position + 1)
-            self.pool.publish(request)
+            self.pool.advance(request)
             if request.isolated:
                 request.step_succeeded()
             self._append(request, sampled[request.request_id], logprobs, changed)

@@ -62,6 +62,7 @@ class ServingPlan:
     prefix_caching: bool
     async_decode: bool              # pipeline decode steps (two in flight)
     notes: tuple[Note, ...] = ()
+    kv_windows: tuple[int, ...] = (0,)  # per KV group: sliding window, 0 = full (blocks.py)
 
     @property
     def max_model_len(self) -> int:
@@ -100,19 +101,28 @@ def plan_serving(config: EngineConfig, warm: WorkerDescription, asked: WarmupPla
     IncompatibleWorker for a later worker of another model or block size, or one whose lane
     cannot hold a max_model_len sequence."""
     notes = []
-    lane_capacity = warm.num_blocks_per_lane * warm.block_size
+    batched = asked.max_num_batched_tokens
+    if warm.supports_chunked_prefill and batched < warm.block_size:
+        notes.append(Note(logging.WARNING, f"max_num_batched_tokens raised from {batched} to the block size "
+                                           f"{warm.block_size}: a prefill chunk holds at least one block"))
+        batched = warm.block_size
+    max_prefill_len = max(warm.prefill_buckets, default=0)
+    chunk_limit = 0
+    if warm.supports_chunked_prefill:
+        chunk_limit = min(batched, max_prefill_len) if max_prefill_len else batched
+    capacity = lane_capacity(warm, chunk_limit or asked.max_model_len)
     if fixed is None:
         max_model_len = asked.max_model_len
-        if lane_capacity < max_model_len:
+        if capacity < max_model_len:
             # So that any admitted request can run to its end once alone on its lane. -1 asks
             # for exactly this (vLLM's meaning: fit one request to a lane's whole KV cache).
             fitting = config.max_model_len == -1  # asked for: no warning
             notes.append(Note(logging.INFO if fitting else logging.WARNING,
-                              f"max_model_len lowered from {max_model_len} to {lane_capacity}: one lane's KV "
-                              f"cache holds {lane_capacity} tokens"))
-            max_model_len = lane_capacity
+                              f"max_model_len lowered from {max_model_len} to {capacity}: one lane's KV "
+                              f"cache holds {capacity} tokens"))
+            max_model_len = capacity
     else:
-        _check_compatible(warm, lane_capacity, fixed)
+        _check_compatible(warm, capacity, fixed)
         max_model_len = fixed.max_model_len
     async_decode = warm.async_decode and config.async_scheduling is not False
     if config.async_scheduling and not warm.async_decode:
@@ -124,21 +134,32 @@ def plan_serving(config: EngineConfig, warm: WorkerDescription, asked: WarmupPla
         notes.append(Note(logging.WARNING, f"--enable-prefix-caching: {warm.architecture} on the worker at "
                                            f"{warm.address} does not support prefix caching; serving without it"))
         caching = False
-    batched = asked.max_num_batched_tokens
-    if warm.supports_chunked_prefill and batched < warm.block_size:
-        notes.append(Note(logging.WARNING, f"max_num_batched_tokens raised from {batched} to the block size "
-                                           f"{warm.block_size}: a prefill chunk holds at least one block"))
-        batched = warm.block_size
-    max_prefill_len = max(warm.prefill_buckets, default=0)
-    chunk_limit = 0
-    if warm.supports_chunked_prefill:
-        chunk_limit = min(batched, max_prefill_len) if max_prefill_len else batched
     scheduler = SchedulerConfig(
         max_num_seqs=asked.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
         chunked_prefill=warm.supports_chunked_prefill, max_prefill_batch=warm.max_prefill_batch_size,
         max_prefill_len=max_prefill_len)
     return ServingPlan(warm.architecture, warm.vocab_size, warm.block_size, warm.supports_images, asked.num_lanes,
-                       scheduler, chunk_limit, caching, async_decode, tuple(notes))
+                       scheduler, chunk_limit, caching, async_decode, tuple(notes), warm.kv_windows)
+
+
+def lane_capacity(d: WorkerDescription, chunk: int) -> int:
+    """The longest sequence one lane's blocks hold, alone, prefilled in chunks of at most `chunk`
+    tokens (sequence_blocks), every KV group drawing on the one pool."""
+    low, high = 0, d.num_blocks_per_lane  # a sequence of n blocks takes >= n: never more
+    while low < high:
+        mid = (low + high + 1) // 2
+        fits = sum(sequence_blocks(d.kv_windows, d.block_size, mid * d.block_size, chunk)) <= d.num_blocks_per_lane
+        low, high = (mid, high) if fits else (low, mid - 1)
+    return low * d.block_size
+
+
+def sequence_blocks(windows: tuple[int, ...], block_size: int, num_tokens: int, chunk: int) -> list[int]:
+    """Per KV group, the most blocks one sequence of `num_tokens` holds at once, prefilled in
+    chunks of at most `chunk` tokens (control/blocks.py): a full-attention group a block per
+    block_size tokens; a sliding group with window W what its last chunk reads, W - 1 tokens
+    back and the chunk, over at most one more block than they fill."""
+    blocks = -(-num_tokens // block_size)
+    return [min(blocks, -(-(w - 1 + chunk) // block_size) + 1) if w else blocks for w in windows]
 
 
 def _lanes(dp: int, d: WorkerDescription, num_workers: int) -> int:
@@ -158,17 +179,21 @@ def _lanes(dp: int, d: WorkerDescription, num_workers: int) -> int:
     return 1
 
 
-def _check_compatible(d: WorkerDescription, lane_capacity: int, s: ServingPlan) -> None:
+def _check_compatible(d: WorkerDescription, capacity: int, s: ServingPlan) -> None:
     """A later worker serves the first one's model with its block size, and one lane holds a
     max_model_len sequence."""
     if (d.architecture, d.vocab_size) != (s.architecture, s.vocab_size):
         raise IncompatibleWorker(f"the worker at {d.address} serves {d.architecture} (vocabulary "
                                  f"{d.vocab_size}) but this control plane serves {s.architecture} "
                                  f"(vocabulary {s.vocab_size}): every worker must serve the same model")
+    if d.kv_windows != s.kv_windows:
+        raise IncompatibleWorker(f"the worker at {d.address} has KV groups with windows {list(d.kv_windows)} but "
+                                 f"the first worker has {list(s.kv_windows)}: every worker must run the same "
+                                 "model class and ttserve version")
     if d.block_size != s.block_size:
         raise IncompatibleWorker(f"the worker at {d.address} uses KV blocks of {d.block_size} tokens but "
                                  f"the first worker uses {s.block_size}: start every worker with the same "
                                  "--block-size (prefix caching and placement hash whole blocks)")
-    if lane_capacity < s.max_model_len:
-        raise IncompatibleWorker(f"the worker at {d.address} holds {lane_capacity} tokens per lane, "
+    if capacity < s.max_model_len:
+        raise IncompatibleWorker(f"the worker at {d.address} holds {capacity} tokens per lane, "
                                  f"below max_model_len {s.max_model_len}: give it more KV memory")

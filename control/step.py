@@ -14,15 +14,25 @@ class StepKind(enum.Enum):
     DECODE = "decode"
 
 
+@dataclass(slots=True, frozen=True)
+class GroupBlocks:
+    """A request's blocks in one KV group past the first, with a step's item (device.proto
+    GroupBlocks): the ids appended to its table, and how many leading entries its sliding window
+    no longer reads (cumulative)."""
+    new_block_ids: list[int]
+    num_skipped_blocks: int
+
+
 @dataclass(slots=True)
 class PrefillWork:
     request: Request
     start: int                  # first token position of the chunk
     end: int                    # one past the chunk's last position
-    new_block_ids: list[int]
+    new_block_ids: list[int]   # the first KV group's (the only one of most models)
     sample: bool                # the chunk ends the known tokens: the next token is sampled
     bitmask: bytes = b""        # the request's grammar mask for the sampled token; b"" = none
     images: list[ImageInput] = field(default_factory=list)  # sent with this chunk (images.unsent)
+    groups: list[GroupBlocks] = field(default_factory=list)  # KV groups past the first
 
 
 @dataclass(slots=True)
@@ -32,6 +42,7 @@ class DecodeWork:
     position: int               # sampled for this request in the step before (async decode)
     new_block_ids: list[int]
     bitmask: bytes = b""        # the request's grammar mask for the sampled token; b"" = none
+    groups: list[GroupBlocks] = field(default_factory=list)  # KV groups past the first
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from .grammar import GrammarSpec
 from .images import ImageInput
 from .request import FinishReason, Request, SamplingParams, TokenLogprobs
 from .session import Admission, RequestOutput, SessionMessage, Verdict
-from .step import StepKind, StepPlan
+from .step import GroupBlocks, StepKind, StepPlan
 
 _FINISH = {None: engine_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
            FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
@@ -123,6 +123,9 @@ class WorkerDescription:
     max_prefill_batch_size: int = 0
     draining: bool = False
     protocol_version: int = 0
+    # Per KV group, its sliding window in tokens (0: full attention; group 0 always is): (0,)
+    # for a model of one group, and until warm (device.proto kv_groups).
+    kv_windows: tuple[int, ...] = (0,)
 
 
 def describe_request_pb() -> device_pb2.DescribeRequest:
@@ -141,7 +144,8 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         supports_images=d.supports_images, dtype=d.dtype,
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
         prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size,
-        draining=d.draining, protocol_version=d.protocol_version)
+        draining=d.draining, protocol_version=d.protocol_version,
+        kv_windows=tuple(g.sliding_window for g in d.kv_groups) or (0,))
 
 
 def warmup_request_to_pb(num_lanes: int, max_num_seqs: int, max_model_len: int,
@@ -202,16 +206,22 @@ def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_nu
             batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
                               start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample,
                               token_bitmask=work.bitmask, cached_token_ids=cached,
-                              mm_inputs=[image.payload for image in work.images])
+                              mm_inputs=[image.payload for image in work.images], groups=_groups_pb(work.groups))
         for work in plan.decode:
             if work.token_id is None:
                 batch.decode.add(request_id=work.request.request_id, use_previous_token=True,
-                                 position=work.position, new_block_ids=work.new_block_ids)
+                                 position=work.position, new_block_ids=work.new_block_ids,
+                                 groups=_groups_pb(work.groups))
             else:
                 batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
                                  position=work.position, new_block_ids=work.new_block_ids,
-                                 token_bitmask=work.bitmask)
+                                 token_bitmask=work.bitmask, groups=_groups_pb(work.groups))
     return batch
+
+
+def _groups_pb(groups: list[GroupBlocks]) -> list[device_pb2.GroupBlocks]:
+    return [device_pb2.GroupBlocks(new_block_ids=g.new_block_ids, num_skipped_blocks=g.num_skipped_blocks)
+            for g in groups]
 
 
 def _new_request_pb(request: Request, lane: int, max_num_seqs: int) -> device_pb2.NewRequest:

@@ -274,14 +274,16 @@ class WorkerGroup:
     def _build_group(self, warm: WorkerDescription, plan: ServingPlan) -> LaneGroup:
         config = plan.scheduler
         # The group's policy chooses every step's mode (LaneGroup.schedule), one per step for all lanes.
-        lanes = [Scheduler(config, BlockPool(warm.num_blocks_per_lane, warm.block_size, plan.prefix_caching), lane=i)
+        lanes = [Scheduler(config, BlockPool(warm.num_blocks_per_lane, warm.block_size, plan.prefix_caching,
+                                             warm.kv_windows), lane=i)
                  for i in range(plan.num_lanes)]
         log.info("lane group %s: worker %s [%s, %s] runs %d lane(s) x %d seqs %s; %d blocks x %d "
-                 "tokens per lane; max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, "
+                 "tokens per lane%s; max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, "
                  "prefix caching %s, prefill lengths %s, async decode %s", self.name, warm.address, warm.backend,
                  warm.device, plan.num_lanes, config.max_num_seqs,
                  "in one process" if warm.single_execute_lanes else "(independent group)",
-                 warm.num_blocks_per_lane, warm.block_size, config.max_model_len, config.max_num_batched_tokens,
+                 warm.num_blocks_per_lane, warm.block_size, _kv_groups_text(warm.kv_windows),
+                 config.max_model_len, config.max_num_batched_tokens,
                  "on" if config.chunked_prefill else "off", "on" if plan.prefix_caching else "off",
                  warm.prefill_buckets or "any", "on" if plan.async_decode else "off")
         return LaneGroup(lanes, PhasePolicy(self.config.max_consecutive_prefills))
@@ -426,3 +428,12 @@ class WorkerGroup:
         noticed.cancel()
         if ended.done() and not drain_notice.is_set():
             raise WorkerError(ended.result())
+
+
+def _kv_groups_text(windows: tuple[int, ...]) -> str:
+    """How a hybrid model's KV groups share the blocks ("" for a model of one group)."""
+    if len(windows) == 1:
+        return ""
+    sliding = [w for w in windows if w]
+    return (f" shared by {len(windows)} KV groups ({len(windows) - len(sliding)} full attention, "
+            f"{len(sliding)} sliding window of {', '.join(map(str, sorted(set(sliding))))} tokens)")

@@ -30,21 +30,21 @@ def test_double_free_is_caught():
 def test_cached_blocks_survive_free_until_reused_least_recent_first():
     pool = BlockPool(4, 4, enable_caching=True)
     ids = pool.allocate(2)
-    pool.cache(ids[0], 111)
-    pool.cache(ids[1], 222)
+    pool.cache(ids[0], 0, 111)
+    pool.cache(ids[1], 0, 222)
     pool.free(reversed(ids))  # tail first: ids[1] is evicted before ids[0]
-    assert pool.lookup([111, 222]) == ids
+    assert pool.lookup([111, 222]).tables[0] == ids
     pool.allocate(2)          # the two never-used blocks go first
-    assert pool.lookup([111, 222]) == ids
+    assert pool.lookup([111, 222]).tables[0] == ids
     pool.allocate(1)          # now the least recently freed cached block: the tail
-    assert pool.lookup([111, 222]) == [ids[0]]
+    assert pool.lookup([111, 222]).tables[0] == [ids[0]]
     pool.check()
 
 
 def test_hit_takes_a_reference_and_leaves_the_free_list():
     pool = BlockPool(4, 4, enable_caching=True)
     ids = pool.allocate(1)
-    pool.cache(ids[0], 7)
+    pool.cache(ids[0], 0, 7)
     pool.free(ids)
     assert pool.num_free == 4 and pool.num_free_among(ids) == 1
     pool.take(ids)
@@ -60,12 +60,12 @@ def test_hit_takes_a_reference_and_leaves_the_free_list():
 def test_lookup_stops_at_the_first_miss_and_caching_off_never_hits():
     pool = BlockPool(4, 4, enable_caching=True)
     a, b = pool.allocate(2)
-    pool.cache(a, 1)
-    pool.cache(b, 3)
-    assert pool.lookup([1, 2, 3]) == [a]
+    pool.cache(a, 0, 1)
+    pool.cache(b, 0, 3)
+    assert pool.lookup([1, 2, 3]).tables[0] == [a]
     off = BlockPool(4, 4)
-    off.cache(0, 1)
-    assert off.lookup([1]) == []
+    off.cache(0, 0, 1)
+    assert off.lookup([1]).tables[0] == []
 
 
 def test_hashes_chain_prefixes_and_salt():

@@ -5,6 +5,10 @@ global layers).
 The oracle is transformers' generate on the same checkpoint: greedy tokens identical, for prompts
 and answers that run far past the window. The control plane's prefill budget of 16 tokens serves
 every prompt in chunks, and concurrent requests decode together.
+
+The worker runs hybrid KV cache groups (worker/kv_groups.py: the two global layers in one group,
+the four local ones in two): its KV budget is 40 blocks of 16 tokens and two layers each
+(KV_BYTES), where one table for all six layers would hold 13 blocks, 208 tokens.
 """
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ from stack import Stack, start_stack
 pytestmark = pytest.mark.e2e
 
 NEW_TOKENS = 40
+# 40 blocks of 16 tokens x 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes (float32).
+BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4
+KV_BYTES = 40 * BLOCK_BYTES
 TEXT = ("The history of the Roman Empire began when the city of Rome, founded on seven hills by the twins "
         "Romulus and Remus, grew from a small village into the capital of an empire that spanned three "
         "continents and lasted for more than a thousand years, until its last emperor was deposed.")
@@ -28,7 +35,7 @@ def stack(tmp_path_factory, tiny_gemma3) -> Stack:
     s = start_stack(tmp_path_factory.mktemp("gemma3"), str(tiny_gemma3),
                     control_flags=("--max-num-seqs", "4", "--max-num-batched-tokens", "16"),
                     # The oracle is transformers in float32: the worker computes in it too.
-                    worker_flags=("--dtype", "float32", "--block-size", "16"))
+                    worker_flags=("--dtype", "float32", "--block-size", "16", "--kv-cache-memory-bytes", str(KV_BYTES)))
     yield s
     s.stop()
 
@@ -79,3 +86,22 @@ def test_chat_greedy_matches_transformers_with_the_chat_template(client, model_n
                                          extra_body={"return_token_ids": True, "ignore_eos": True})
     assert out.usage.prompt_tokens == len(ids)
     assert out.choices[0].token_ids == expected
+
+
+def test_sliding_layers_hold_only_their_window_so_one_lane_serves_past_a_single_tables_reach(
+        client, model_name, hf, stack):
+    """A single table for all six layers: 40 * 2 / 6 = 13 blocks, 208 tokens. Hybrid groups: the
+    global group takes a block per 16 tokens, each local group at most 3 (its 16-token window
+    and a 16-token chunk), so one lane holds a (40 - 6) * 16 = 544-token sequence, and
+    max_model_len (the model's 1024) is lowered to that. A 500-token request is transformers'
+    greedy tokens, its local layers' early blocks long given back."""
+    tokenizer, model = hf
+    served = client.models.list().data[0]
+    assert served.model_extra["max_model_len"] == 544
+    ids = (tokenizer(TEXT)["input_ids"] * 8)[:300]
+    expected = greedy(model, ids, 200)
+    out = client.completions.create(model=model_name, prompt=ids, max_tokens=200, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert out.choices[0].token_ids == expected
+    log = stack.services[1].log_path.read_text()
+    assert "shared by 3 KV groups (1 full attention, 2 sliding window of 16 tokens)" in log, log[-2000:]

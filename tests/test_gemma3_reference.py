@@ -22,7 +22,7 @@ from ttserve.worker.backends.torch.backend import TorchBackend
 from ttserve.worker.backends.torch.models import REFERENCE_ARCHITECTURES, TorchGemma3ForCausalLM
 from ttserve.worker.backends.torch.models.gemma3 import Gemma3Shape
 from ttserve.worker.backends.torch.models.llama import CheckpointError
-from ttserve.worker.batch import DecodeItem, NewRequest, PrefillChunk, ServingConfig, StepBatch
+from ttserve.worker.batch import DecodeItem, GroupBlocks, NewRequest, PrefillChunk, ServingConfig, StepBatch
 from ttserve.worker.planning.tiny_gemma3 import LAYER_TYPES, SLIDING_WINDOW
 from ttserve.worker.runner import DeviceOptions, ModelRunner
 
@@ -105,23 +105,34 @@ def make_runner(folder, **tt) -> ModelRunner:
 ROWS = {"a": 0, "b": 1, "c": 3}
 BLOCKS = {"a": [0, 2, 4, 6, 8, 10], "b": [9, 7, 5, 3, 1, 11], "c": [1, 0, 3, 2, 5, 4]}
 B_CUTS = [12, 24]
+# Gemma 3 serves hybrid KV cache groups (worker/kv_groups.py): full attention [2, 5] (BLOCKS), then
+# the sliding groups [0, 1] and [3, 4], each with block ids of its own (BLOCKS shifted past the
+# others'); a sliding group's blocks wholly before the window are skipped (their entries zeroed).
+GROUP_SHIFTS = (12, 24)
+
+
+def groups(new_block_ids: list[int], start: int) -> list[GroupBlocks]:
+    skipped = max(0, (start - SLIDING_WINDOW + 1) // BLOCK)
+    return [GroupBlocks([b + shift for b in new_block_ids], skipped) for shift in GROUP_SHIFTS]
 
 
 def runner_greedy(r: ModelRunner, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     news = [NewRequest(rid, row // 2, row, 0.0, 1.0, 0, None) for rid, row in ROWS.items()]
     b = prompts["b"]
     bounds = [0, *B_CUTS, len(b)]
-    steps = [[PrefillChunk("a", prompts["a"], 0, BLOCKS["a"], True),
-              PrefillChunk("b", b[:bounds[1]], 0, BLOCKS["b"], False),
-              PrefillChunk("c", prompts["c"], 0, BLOCKS["c"], True)]]
-    steps += [[PrefillChunk("b", b[lo:hi], lo, [], hi == len(b))] for lo, hi in zip(bounds[1:], bounds[2:])]
+    steps = [[PrefillChunk("a", prompts["a"], 0, BLOCKS["a"], True, groups=groups(BLOCKS["a"], 0)),
+              PrefillChunk("b", b[:bounds[1]], 0, BLOCKS["b"], False, groups=groups(BLOCKS["b"], 0)),
+              PrefillChunk("c", prompts["c"], 0, BLOCKS["c"], True, groups=groups(BLOCKS["c"], 0))]]
+    steps += [[PrefillChunk("b", b[lo:hi], lo, [], hi == len(b), groups=groups([], lo))]
+              for lo, hi in zip(bounds[1:], bounds[2:])]
     out: dict[str, list[int]] = {}
     for i, chunks in enumerate(steps):
         result = r.execute(StepBatch(1 + i, "prefill", new_requests=news if i == 0 else [], prefill=chunks))
         out.update({rid: [t] for rid, t in result.tokens.items()})
     assert set(out) == set(ROWS)
     for step in range(NEW_TOKENS - 1):
-        items = [DecodeItem(rid, out[rid][-1], len(prompts[rid]) + step, []) for rid in ROWS]
+        items = [DecodeItem(rid, out[rid][-1], len(prompts[rid]) + step, [],
+                            groups=groups([], len(prompts[rid]) + step)) for rid in ROWS]
         result = r.execute(StepBatch(10 + step, "decode", decode=items))
         for rid, t in result.tokens.items():
             out[rid].append(t)
@@ -138,8 +149,13 @@ def test_greedy_tokens_through_the_runner_are_transformers_generate(tiny_gemma3,
         assert r.options.traced("decode")
         static_decode = r.model._static_decode
         r.model._static_decode = lambda *args: static.append(1) or static_decode(*args)
+    # Every forward pages layer by layer: one table per KV group, shared by the group's layers.
+    distinct = []
+    forward = r.model._forward
+    r.model._forward = lambda step, kv: distinct.append(len({id(p) for p in step.paging})) or forward(step, kv)
     assert runner_greedy(r, prompts) == expected
     assert len(static) == (NEW_TOKENS - 1 if tt else 0)
+    assert set(distinct) == {3}
 
 
 # --- logits at every position ------------------------------------------------------------------

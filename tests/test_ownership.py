@@ -16,7 +16,7 @@ CONTROL = Path(ttserve.control.__file__).parent
 # The protobuf edges build messages whose fields share names with Request's (prompt_token_ids,
 # error, ...); they construct Requests but never assign to one.
 EDGES = {"wire.py", "server.py"}
-BLOCK_TABLE = {"block_ids", "num_published_blocks"}
+BLOCK_TABLE = {"block_tables", "num_skipped_blocks", "num_published_blocks"}
 MUTATING = {"append", "extend", "clear", "pop", "remove", "insert"}
 
 

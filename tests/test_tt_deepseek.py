@@ -97,7 +97,7 @@ def test_the_mla_cache_is_one_latent_head_per_token_and_the_budget_counts_one_la
     by_bytes = ModelRunner(model_dir, type(runner.model), "DeepseekV3ForCausalLM",
                            TorchBackend(torch.device("cpu"), torch.bfloat16, lambda kind: False), torch.bfloat16,
                            block_size=BLOCK, kv_cache_bytes=10 * bytes_per_block)
-    assert by_bytes._kv_layout(CONFIG).num_blocks_per_lane == 10
+    assert by_bytes.kv_layout(CONFIG).num_blocks_per_lane == 10
 
 
 def test_a_host_sampled_prefill_takes_each_rows_last_position(tt_metal, model_dir):

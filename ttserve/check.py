@@ -51,13 +51,16 @@ def check(argv: list[str], out: TextIO | None = None) -> int:
     problems += [(True, f"port {port} is given to {n} services") for port, n in ports.items() if n > 1]
 
     serving = Serving(data_parallel_size=control.data_parallel_size, max_num_seqs=control.max_num_seqs,
-                      max_model_len=max(control.max_model_len, 0), enable_prefix_caching=control.enable_prefix_caching)
+                      max_model_len=max(control.max_model_len, 0), enable_prefix_caching=control.enable_prefix_caching,
+                      max_num_batched_tokens=control.max_num_batched_tokens)
     plan = plan_worker(worker, serving=serving, need_hardware=False)
     problems += [(p.fatal, f"worker: {p.text}") for p in plan.problems]
     if plan.model_path is not None:
         described = _description(plan, config.workers[0].address if config and config.workers else "")
         max_model_len, judged = _serving_problems(config, described)
         problems += judged
+        plan.lines += _kv_budget_lines(described, max_model_len, control.max_num_batched_tokens,
+                                       control.max_num_seqs)
         problems += [(True, f"gateway: {p}") for p in _gateway_problems(gateway, str(plan.model_path), max_model_len)]
 
     print("ttserve check: the plan (no device opened, no weights read)", file=out)
@@ -92,7 +95,27 @@ def _description(plan: WorkerPlan, address: str) -> WorkerDescription:
         supports_chunked_prefill=caps.get("supports_chunked_prefill", not known),
         supports_prefix_caching=caps.get("supports_prefix_caching", not known),
         single_execute_lanes=plan.lanes_in_process,
-        mixture_of_experts=mixture_of_experts(config))
+        mixture_of_experts=mixture_of_experts(config),
+        num_blocks_per_lane=plan.num_blocks_per_lane, block_size=plan.block_size, kv_windows=plan.kv_windows or (0,))
+
+
+def _kv_budget_lines(d: WorkerDescription, max_model_len: int, chunk: int, max_num_seqs: int) -> list[str]:
+    """Each KV group's share of a lane's blocks (where the plan knows them: the torch backend):
+    what one max_model_len sequence holds in it, and how many such sequences the lane holds."""
+    from ttserve.control.serving_plan import lane_capacity, sequence_blocks
+
+    if not d.num_blocks_per_lane:
+        return []
+    capacity = lane_capacity(d, chunk)
+    length = min(max_model_len, capacity) or d.block_size
+    per_group = sequence_blocks(d.kv_windows, d.block_size, length, chunk)
+    lines = [f"{'kv budget:':<14}one {length}-token sequence holds {sum(per_group)} of the lane's "
+             f"{d.num_blocks_per_lane} blocks; {d.num_blocks_per_lane // max(sum(per_group), 1)} such sequences fit "
+             f"(--max-num-seqs {max_num_seqs}); one alone may reach {capacity} tokens"]
+    if len(d.kv_windows) > 1:
+        lines += [f"{'':<14}group {g} ({f'window {w}' if w else 'full attention'}): {blocks} blocks"
+                  for g, (w, blocks) in enumerate(zip(d.kv_windows, per_group))]
+    return lines
 
 
 def _serving_problems(config: EngineConfig | None,

@@ -21,7 +21,9 @@ import grpc
 #    and the client would see their tokens twice.
 # 7: the step stream's probe (StepResult.probe, StepBatch.probe_answer): a version-6 control plane
 #    would not answer, and a second control plane would take its workers while it serves.
-PROTOCOL_VERSION = 7
+# 8: hybrid KV cache groups (DeviceDescription.kv_groups, the items' GroupBlocks): a version-7
+#    control plane would give a hybrid model one block table, and its sliding layers' KV no room.
+PROTOCOL_VERSION = 8
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)
 # Every ttserve server and channel: a step's outputs or a long prompt can exceed gRPC's 4 MiB.

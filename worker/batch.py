@@ -7,7 +7,7 @@ from typing import Any
 
 from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
 
-__all__ = ["DecodeItem", "Description", "HostSampling", "ImageInput", "NewRequest", "PrefillChunk", "ServingConfig",
+__all__ = ["DecodeItem", "Description", "GroupBlocks", "HostSampling", "ImageInput", "NewRequest", "PrefillChunk", "ServingConfig",
            "StepBatch", "StepResult", "TokenLogprobs"]
 
 
@@ -67,6 +67,14 @@ class ImageInput:
         return self.offset + self.length
 
 
+@dataclass(slots=True, frozen=True)
+class GroupBlocks:
+    """A request's blocks in one KV group past the first (device.proto GroupBlocks): ids appended
+    to the group's table, and how many of its leading entries are gone (a sliding window's)."""
+    new_block_ids: list[int]
+    num_skipped_blocks: int = 0
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     request_id: str
@@ -77,6 +85,7 @@ class PrefillChunk:
     token_bitmask: bytes = b""     # grammar mask of the sampled token (device.proto); b"" = none
     cached_token_ids: list[int] = field(default_factory=list)  # [0, start_pos) on a request's first chunk
     images: list[ImageInput] = field(default_factory=list)  # not sent before, starting before the chunk's end
+    groups: list[GroupBlocks] = field(default_factory=list)  # KV groups past the first
 
 
 @dataclass(slots=True)
@@ -87,6 +96,7 @@ class DecodeItem:
     new_block_ids: list[int]
     use_previous_token: bool = False
     token_bitmask: bytes = b""     # grammar mask of the sampled token (device.proto); b"" = none
+    groups: list[GroupBlocks] = field(default_factory=list)  # KV groups past the first
 
 
 @dataclass(slots=True)
@@ -148,3 +158,5 @@ class Description:
     block_size: int = 0
     prefill_buckets: list[int] = field(default_factory=list)  # empty: any length runs (eagerly)
     max_prefill_batch_size: int = 0
+    # Hybrid KV cache groups once warm, (window, layers) each (worker/kv_groups.py); empty: one.
+    kv_groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)

@@ -102,11 +102,19 @@ class DeviceBackend(Protocol):
         which the runner holds until `close`."""
         ...
 
+    def hybrid_kv_cache(self, model_cls: type) -> bool:
+        """The class takes hybrid KV cache groups (worker/kv_groups.py): a page table per layer
+        (`page_tables_per_layer`, with every step) and layers sharing KV buffers
+        (`allocate_kv_cache_per_layer`)."""
+        ...
+
     def allocate_kv_cache(self, model: Any, num_blocks: int, num_kv_heads: int, block_size: int,
-                          head_dim: int, num_layers: int, num_lanes: int) -> Any:
+                          head_dim: int, num_layers: int, num_lanes: int,
+                          tensor_of_layer: Sequence[int] | None = None) -> Any:
         """The model's paged KV cache: `model.allocate_kv_cache(shape, dtype, num_layers)` (or
-        `allocate_kv_cache_per_layer`), `num_blocks` blocks of `block_size` tokens per lane. The
-        runner holds the returned cache and passes it back to every step."""
+        `allocate_kv_cache_per_layer`), `num_blocks` blocks of `block_size` tokens per lane. With
+        hybrid KV groups, `tensor_of_layer` names each layer's shared buffer. The runner holds
+        the returned cache and passes it back to every step."""
         ...
 
     def warmup(self, model: Any, kv_cache: Any, config: ServingConfig, page_table_width: int,

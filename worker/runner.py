@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .batch import (DecodeItem, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult,
+from .batch import (DecodeItem, GroupBlocks, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult,
                     TokenLogprobs)
 from .device import DeviceBackend, PendingDecode, Progress
+from .kv_groups import KvGroups, group_layers, layer_windows, uniform
 from .planning.options import async_decode_allowed, device_sampling, trace_flags
 from .planning.registry import mixture_of_experts
 from .sampling import SamplingBatch, draws, gather_logprobs, sample, seeded_generator
@@ -45,6 +46,9 @@ class RequestState:
     min_tokens_blocked_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0     # sampled so far, including before a preemption
     block_ids: list[int] = field(default_factory=list)
+    # Per KV group past the first: the entries of its table so far (skipped ones too), which
+    # always matches len(block_ids) after a step's item (step_check.py).
+    group_lengths: list[int] = field(default_factory=list)
     # The request's tokens from position 0 up to where its prefill has reached: a tt-metal
     # generator floors a resumed prefill's start to its alignment and recomputes from there, so
     # every prefill row carries the real tokens before start_pos. Emptied once the prompt is in.
@@ -121,7 +125,10 @@ class KvLayout:
     head_dim: int
     # Tensors a layer caches per token and head: K and V (2), or one compressed latent (1) for
     # multi-head latent attention (DeepSeek V2/V3's MLA caches [kv_lora_rank | qk_rope_head_dim]).
-    tensors_per_layer: int = 2
+    tensors_per_layer: int
+    # The layers' KV groups (worker/kv_groups.py): one group of every layer unless the class
+    # reads a page table per layer; a block holds kv_groups.group_size layers.
+    kv_groups: KvGroups
 
 
 def latent_attention(hf_config: dict) -> bool:
@@ -234,16 +241,17 @@ class ModelRunner:
             return
         # An impossible configuration or KV budget is refused before minutes of weight loading.
         self.backend.check(self.model_cls, self.model_path, config)
-        layout = self._kv_layout(config)
+        layout = self.kv_layout(config)
         progress("load", 0, 1, f"{self.architecture} from {self.model_path}")
         self.model = self.backend.initialize(self.model_cls, self.model_path, self.hf_config, config)
         progress("load", 1, 1, "weights loaded")
         self.layout = layout
         progress("allocate", 0, 1, f"{layout.num_blocks_per_lane} blocks x {self.block_size} "
                  f"tokens per lane, {config.num_lanes} lane(s)")
+        groups = layout.kv_groups
         self.kv_cache = self.backend.allocate_kv_cache(
             self.model, layout.num_blocks_per_lane + self._null_blocks, layout.num_kv_heads, self.block_size, layout.head_dim,
-            layout.num_layers, config.num_lanes)
+            layout.num_layers, config.num_lanes, groups.tensor_of_layer if groups.hybrid else None)
         progress("allocate", 1, 1, "KV cache allocated")
         # Page-table width: what a max_model_len sequence needs, and never more blocks than a
         # lane holds. Traces are captured at this width, and every step sends it.
@@ -258,9 +266,14 @@ class ModelRunner:
         # Persistent page table, one row per device row, in device block ids; a row is cleared
         # when its request is released and when a new request takes it (_release, _add): a model
         # that pads a prefill writes the padding through the row's entries past its blocks.
-        self._page_table = torch.zeros(config.num_lanes * config.max_num_seqs, width, dtype=torch.int32)
+        # A hybrid model has one per KV group (index 0 the first group's; the model gets each
+        # layer its group's, page_tables_per_layer); their rows are cleared together.
+        self._page_tables = torch.zeros(groups.num_groups, config.num_lanes * config.max_num_seqs, width,
+                                        dtype=torch.int32)
+        self._page_table = self._page_tables[0]
+        self._group_of_layer = groups.group_of_layer if groups.hybrid else None
         self._limits = Limits(config.num_lanes, config.max_num_seqs, layout.num_blocks_per_lane, self.block_size,
-                              config.max_model_len, width, self.vocab_size)
+                              config.max_model_len, width, self.vocab_size, groups.num_groups)
         self.config = config
 
     @property
@@ -289,13 +302,28 @@ class ModelRunner:
         head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // num_heads)
         return int(c.get("num_key_value_heads", num_heads)), head_dim, 2
 
-    def _kv_layout(self, config: ServingConfig) -> KvLayout:
+    @functools.cached_property
+    def kv_groups(self) -> KvGroups:
+        """The layers' KV groups: hybrid where the class reads a page table per layer and the
+        checkpoint mixes sliding-window and full-attention layers (worker/kv_groups.py)."""
+        num_layers = int(self.hf_config["num_hidden_layers"])
+        if not self.backend.hybrid_kv_cache(self.model_cls):
+            return uniform(num_layers)
+        return group_layers(layer_windows(self.hf_config))
+
+    def kv_layout(self, config: ServingConfig) -> KvLayout:
+        """The KV cache `config` gets: blocks per lane and what each holds (also `ttserve check`'s,
+        before anything loads)."""
         c = self.hf_config
         num_kv_heads, head_dim, tensors = self._kv_heads_and_dim()
         num_layers = int(c["num_hidden_layers"])
-        bytes_per_block = (num_layers * tensors * num_kv_heads * self.block_size * head_dim
+        groups = self.kv_groups
+        # A block holds one group's layers (layer i of every group shares a buffer).
+        bytes_per_block = (groups.group_size * tensors * num_kv_heads * self.block_size * head_dim
                            * torch.empty((), dtype=self.dtype).element_size())
-        wanted = -(-config.max_num_seqs * config.max_model_len // self.block_size)
+        # Blocks for max_num_seqs max_model_len sequences in every group: more than a hybrid
+        # model's sliding groups hold, but a bound.
+        wanted = -(-config.max_num_seqs * config.max_model_len // self.block_size) * groups.num_groups
         # On a mesh the model states its budget; the sim's profile fixes one; else bytes decide.
         fixed = (self.backend.kv_tokens_per_lane(self.model_cls, self.model_path, config, self.block_size)
                  or self.options.kv_tokens_per_lane)
@@ -304,12 +332,12 @@ class ModelRunner:
             if usable < 1:
                 raise ValueError(f"the model's KV budget of {fixed} tokens per lane holds no KV block of "
                                  f"{self.block_size} tokens beside the null block")
-            return KvLayout(usable, self.block_size, num_layers, num_kv_heads, head_dim, tensors)
+            return KvLayout(usable, self.block_size, num_layers, num_kv_heads, head_dim, tensors, groups)
         affordable = self.kv_cache_bytes // (bytes_per_block * config.num_lanes) - self._null_blocks
         if affordable < 1:
             raise ValueError(f"--kv-cache-memory-bytes {self.kv_cache_bytes} cannot hold one KV block "
                              f"({bytes_per_block * config.num_lanes} bytes over {config.num_lanes} lanes)")
-        return KvLayout(min(wanted, affordable), self.block_size, num_layers, num_kv_heads, head_dim, tensors)
+        return KvLayout(min(wanted, affordable), self.block_size, num_layers, num_kv_heads, head_dim, tensors, groups)
 
     # ---- steps ---------------------------------------------------------------------------
     def reset(self) -> None:
@@ -398,10 +426,10 @@ class ModelRunner:
         blocks would send a model's padding into blocks another request now owns."""
         state = self._requests.pop(request_id, None)
         if state is not None:
-            self._page_table[state.row] = 0
+            self._page_tables[:, state.row] = 0
 
     def _add(self, new: NewRequest) -> None:
-        self._page_table[new.row] = 0
+        self._page_tables[:, new.row] = 0
         generator = None
         if new.seed is not None:
             # A resumed request (preempted, or migrated here) replays the draws of the tokens it
@@ -411,9 +439,10 @@ class ModelRunner:
         # new.host is None unless some host option is set (wire.py drops inactive ones).
         self._requests[new.request_id] = RequestState(
             new.row, new.temperature, new.top_p, new.top_k, generator, new.seed, new.min_tokens,
-            new.min_tokens_blocked_ids, new.num_output_tokens, host=new.host)
+            new.min_tokens_blocked_ids, new.num_output_tokens, host=new.host,
+            group_lengths=[0] * (len(self._page_tables) - 1))
 
-    def _state(self, request_id: str, new_block_ids: list[int]) -> RequestState:
+    def _state(self, request_id: str, new_block_ids: list[int], groups: list[GroupBlocks]) -> RequestState:
         state = self._requests.get(request_id)
         if state is None:
             raise StepError(f"request {request_id} has no device state (never added, or released)")
@@ -422,11 +451,29 @@ class ModelRunner:
             state.block_ids += new_block_ids
             self._page_table[state.row, first:first + len(new_block_ids)] = torch.tensor(
                 new_block_ids, dtype=torch.int32) + self._null_blocks
+        for g, blocks in enumerate(groups, start=1):
+            table, first = self._page_tables[g, state.row], state.group_lengths[g - 1]
+            if blocks.new_block_ids:
+                table[first:first + len(blocks.new_block_ids)] = torch.tensor(
+                    blocks.new_block_ids, dtype=torch.int32) + self._null_blocks
+            state.group_lengths[g - 1] = first + len(blocks.new_block_ids)
+            # Out of the window: freed, maybe another request's by now. Device block 0 (the null
+            # block, where there is one): never written through this row, read only masked.
+            table[:blocks.num_skipped_blocks] = 0
         return state
+
+    def _per_layer(self, tables: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """A hybrid model's `page_tables_per_layer` from its groups' tables [groups, rows, width]:
+        layer i gets its group's (one tensor per group, shared by its layers), as the TT plugin's
+        `_block_tables_per_layer` expands them; {} for a model of one group."""
+        if self._group_of_layer is None:
+            return {}
+        per_group = tables.unbind(0)
+        return {"page_tables_per_layer": [per_group[g] for g in self._group_of_layer]}
 
     def _prefill(self, chunks: list[PrefillChunk]
                  ) -> tuple[dict[str, int], dict[str, TokenLogprobs], bool]:
-        states = [self._state(c.request_id, c.new_block_ids) for c in chunks]
+        states = [self._state(c.request_id, c.new_block_ids, c.groups) for c in chunks]
         # tt-metal's layout: row i holds the sequence from position 0 (the real tokens: a
         # generator may recompute from below start_pos) and the model computes
         # tokens[i, start_pos:prompt_len].
@@ -448,6 +495,7 @@ class ModelRunner:
             "prefill", states, all(c.sample for c in chunks), any(c.token_bitmask for c in chunks))
         out = self.backend.prefill(
             self.model, tokens=tokens, page_table=self._page_table[rows], kv_cache=self.kv_cache,
+            **self._per_layer(self._page_tables[:, rows]),
             prompt_lens=torch.tensor([c.start_pos + len(c.token_ids) for c in chunks]),
             start_pos=torch.tensor([c.start_pos for c in chunks]),
             sampling_params=self.backend.sampling_params(sampling, [s.seed for s in states]) if on_device else None,
@@ -531,7 +579,7 @@ class ModelRunner:
         masks: list[bytes | None] = [None] * rows
         carried: list[int] = []  # rows fed the previous step's token, possibly still on the device
         for item in items:
-            state = self._state(item.request_id, item.new_block_ids)
+            state = self._state(item.request_id, item.new_block_ids, item.groups)
             if item.use_previous_token:
                 carried.append(state.row)
             else:
@@ -548,7 +596,8 @@ class ModelRunner:
         pending = self.backend.launch_decode(
             self.model, self.backend.sampling_params(sampling, [s.seed if s else None for s in by_row])
             if on_device else None, tokens=tokens, start_pos=positions, page_table=self._page_table,
-            kv_cache=self.kv_cache, previous=self._previous_tokens, carried_rows=carried, **rope)
+            kv_cache=self.kv_cache, previous=self._previous_tokens, carried_rows=carried, **rope,
+            **self._per_layer(self._page_tables))
         if pipelined and on_device:
             # The result stays on the device until finish(), after the next step is launched;
             # that step's carried rows take these tokens from it (the backend decides how).

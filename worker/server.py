@@ -125,6 +125,9 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             d.block_size = r.layout.block_size
             d.prefill_buckets = r.prefill_buckets
             d.max_prefill_batch_size = r.max_prefill_batch_size
+            groups = r.layout.kv_groups
+            if groups.hybrid:
+                d.kv_groups = list(zip(groups.windows, groups.layers))
         return d
 
     def _log_summary(self, warmup_s: float) -> None:

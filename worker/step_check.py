@@ -22,12 +22,14 @@ class Limits:
     max_model_len: int
     page_table_width: int        # blocks a request may hold
     vocab_size: int
+    num_groups: int = 1          # KV groups (worker/kv_groups.py): items carry num_groups - 1 GroupBlocks
 
 
 class Held(Protocol):
     """What the worker holds of a request (the runner's RequestState)."""
     row: int
     block_ids: list[int]
+    group_lengths: list[int]  # entries of each later KV group's table (RequestState)
     prefix: list[int]        # its prompt tokens, while its prefill runs
 
 
@@ -45,6 +47,7 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
     released = set(batch.released_ids)
     # (blocks held, prompt tokens held) of the requests this step has touched so far.
     held: dict[str, tuple[int, int]] = {}
+    added: set[str] = set()
     if batch.new_requests:
         rows = {state.row: rid for rid, state in live.items() if rid not in released}
         for new in batch.new_requests:
@@ -54,6 +57,7 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
                 continue
             rows[new.row] = new.request_id
             held[new.request_id] = (0, 0)
+            added.add(new.request_id)
     seen: set[str] = set()
     for item in (*batch.prefill, *batch.decode):
         rid = item.request_id
@@ -71,6 +75,10 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
             continue
         blocks, prompt = held[item.request_id]
         problem = _item_problem(item, limits, blocks, prompt)
+        if not problem and (item.groups or limits.num_groups > 1):
+            # A request has one item per step (a second is refused above): its tables before it.
+            lengths = [] if item.request_id in added else live[item.request_id].group_lengths
+            problem = _groups_problem(item, limits, blocks + len(item.new_block_ids), lengths)
         if problem:
             refuse(item.request_id, problem)
         else:
@@ -82,6 +90,26 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
                    new_requests=[n for n in batch.new_requests if n.request_id not in refused],
                    prefill=[c for c in batch.prefill if c.request_id not in refused],
                    decode=[d for d in batch.decode if d.request_id not in refused]), refused
+
+
+def _groups_problem(item: PrefillChunk | DecodeItem, limits: Limits, length: int, lengths: list[int]) -> str | None:
+    """Every later KV group's table keeps as many entries as the first's (`length` after this
+    item), its ids inside the lane, its skipped entries within it. `lengths`: the tables'
+    entries before the item (empty: none yet)."""
+    if len(item.groups) != limits.num_groups - 1:
+        return (f"carries blocks of {len(item.groups) + 1} KV group(s); this worker's model has "
+                f"{limits.num_groups}")
+    for g, blocks in enumerate(item.groups, start=1):
+        bad = [b for b in blocks.new_block_ids if not 0 <= b < limits.num_blocks_per_lane]
+        if bad:
+            return (f"KV group {g}: block id(s) {', '.join(map(str, bad[:4]))} outside the lane's KV cache "
+                    f"(0..{limits.num_blocks_per_lane - 1})")
+        entries = (lengths[g - 1] if lengths else 0) + len(blocks.new_block_ids)
+        if entries != length:
+            return f"KV group {g}: its table would have {entries} entries, the first group's {length}"
+        if blocks.num_skipped_blocks > entries:
+            return f"KV group {g}: {blocks.num_skipped_blocks} skipped blocks, more than its {entries} entries"
+    return None
 
 
 def _new_request_problem(new: NewRequest, limits: Limits, rows: Mapping[int, str]) -> str | None:

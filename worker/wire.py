@@ -6,7 +6,7 @@ from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.tensor_wire import tensor_from_pb
 from ttserve.v1 import device_pb2, multimodal_pb2
 
-from .batch import (DecodeItem, Description, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig,
+from .batch import (DecodeItem, Description, GroupBlocks, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig,
                     StepBatch, StepResult)
 
 _KIND = {device_pb2.STEP_KIND_EMPTY: "empty", device_pb2.STEP_KIND_PREFILL: "prefill",
@@ -24,11 +24,16 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
                       for r in b.new_requests],
         released_ids=list(b.released_request_ids),
         prefill=[PrefillChunk(c.request_id, list(c.token_ids), c.start_pos, list(c.new_block_ids), c.sample,
-                              c.token_bitmask, list(c.cached_token_ids), [_image(m) for m in c.mm_inputs])
+                              c.token_bitmask, list(c.cached_token_ids), [_image(m) for m in c.mm_inputs],
+                              _groups(c.groups))
                  for c in b.prefill],
         decode=[DecodeItem(d.request_id, d.token_id, d.position, list(d.new_block_ids), d.use_previous_token,
-                           d.token_bitmask) for d in b.decode],
+                           d.token_bitmask, _groups(d.groups)) for d in b.decode],
         async_readback=b.async_readback)
+
+
+def _groups(groups) -> list[GroupBlocks]:
+    return [GroupBlocks(list(g.new_block_ids), g.num_skipped_blocks) for g in groups]
 
 
 def _image(m: multimodal_pb2.MultiModalInput) -> ImageInput:
@@ -105,6 +110,8 @@ def description_to_pb(d: Description) -> device_pb2.DeviceDescription:
         pb.decode_batch_size = d.config.max_num_seqs
         pb.prefill_buckets.extend(d.prefill_buckets)
         pb.max_prefill_batch_size = d.max_prefill_batch_size
+        for window, layers in d.kv_groups:
+            pb.kv_groups.add(sliding_window=window, layers=layers)
     return pb
 
 

@@ -37,6 +37,7 @@ class Serving:
     max_num_seqs: int = 32
     max_model_len: int = 0          # 0: the model's own limit
     enable_prefix_caching: bool = False
+    max_num_batched_tokens: int = 2048
 
 
 @dataclass
@@ -56,6 +57,10 @@ class WorkerPlan:
     options: dict = field(default_factory=dict)
     environment: CheckpointEnvironment | None = None
     block_size: int = 64
+    # The KV cache the torch backend would allocate (with the control plane's flags): blocks per
+    # lane and each KV group's sliding window (0: full attention); unknown (0, ()) elsewhere.
+    num_blocks_per_lane: int = 0
+    kv_windows: tuple[int, ...] = ()
     lines: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
 
@@ -124,7 +129,7 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
     if plan.backend == "ttnn":
         _plan_ttnn(plan, env, serving)
     else:
-        _plan_reference(plan, args, env)
+        _plan_reference(plan, args, env, serving)
     if "vision_config" in plan.hf_config and not plan.fatal:
         plan.say("images", "taken: the gateway runs vLLM's processor for the model; each prefill user gets its "
                  "pixel_values and image_grid_thw; chunks never split an image")
@@ -165,7 +170,8 @@ def _choose_backend(plan: WorkerPlan, requested: str, need_hardware: bool, probe
     plan.say("backend", f"{plan.backend} ({plan.backend_reason})")
 
 
-def _plan_reference(plan: WorkerPlan, args: argparse.Namespace, env: Mapping[str, str]) -> None:
+def _plan_reference(plan: WorkerPlan, args: argparse.Namespace, env: Mapping[str, str],
+                    serving: Serving | None) -> None:
     """torch and sim: ttserve's reference model classes (the sim takes their contract shape)."""
     from .registry import RegistryError, build_registry
     from ..backends.sim.model import PROFILES
@@ -199,6 +205,42 @@ def _plan_reference(plan: WorkerPlan, args: argparse.Namespace, env: Mapping[str
     if plan.architecture:
         plan.say("model", f"{plan.model_path} ({plan.architecture}, reference model)")
     plan.say("lanes", "in process: every lane steps in one batch")
+    if plan.backend == "torch" and plan.model_cls is not None and serving is not None and not plan.fatal:
+        _plan_torch_kv(plan, args, serving)
+
+
+def _plan_torch_kv(plan: WorkerPlan, args: argparse.Namespace, serving: Serving) -> None:
+    """The KV cache the torch worker would allocate for the control plane's flags: its runner's
+    own layout (nothing loads), with each KV group's layers."""
+    import torch
+
+    from ..backends.torch.backend import TorchBackend
+    from ..backends.torch.dtype import resolve_dtype
+    from ..batch import ServingConfig
+    from ..runner import ModelRunner
+
+    device = torch.device(args.device)
+    dtype, _ = resolve_dtype(args.dtype, device)
+    runner = ModelRunner(plan.model_path, plan.model_cls, plan.architecture or "",
+                         TorchBackend(device, dtype, lambda kind: False), dtype, args.block_size,
+                         args.kv_cache_memory_bytes)
+    max_model_len = serving.max_model_len or runner.max_position_embeddings
+    try:
+        layout = runner.kv_layout(ServingConfig(serving.data_parallel_size, serving.max_num_seqs, max_model_len,
+                                                serving.max_num_batched_tokens))
+    except ValueError as e:
+        plan.refuse(str(e))
+        return
+    groups = layout.kv_groups
+    plan.num_blocks_per_lane, plan.kv_windows = layout.num_blocks_per_lane, groups.windows
+    plan.say("kv cache", f"{layout.num_blocks_per_lane} blocks x {layout.block_size} tokens per lane, "
+             f"{groups.group_size} layer(s) each ({str(dtype).removeprefix('torch.')}, "
+             f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes})")
+    if groups.hybrid:
+        plan.say("kv groups", f"{groups.num_groups}, sharing the lane's blocks (hybrid attention): "
+                 + "; ".join(f"{g}: {f'sliding window {w}' if w else 'full attention'}, layers "
+                             f"{', '.join(map(str, layers))}" for g, (w, layers) in enumerate(zip(groups.windows,
+                                                                                                    groups.layers))))
 
 
 def _plan_ttnn(plan: WorkerPlan, env: Mapping[str, str], serving: Serving | None) -> None:

@@ -61,9 +61,17 @@ class TorchBackend:
         release_free_heap()  # the checkpoint's float32 copies, freed while loading
         return model
 
+    def hybrid_kv_cache(self, model_cls: type) -> bool:
+        """A reference model that reads a page table per layer says so (gemma3.py)."""
+        return bool(getattr(model_cls, "hybrid_kv_cache_groups", False))
+
     def allocate_kv_cache(self, model: Any, num_blocks: int, num_kv_heads: int, block_size: int,
-                          head_dim: int, num_layers: int, num_lanes: int) -> Any:
-        return model.allocate_kv_cache((num_blocks, num_kv_heads, block_size, head_dim), self.dtype, num_layers)
+                          head_dim: int, num_layers: int, num_lanes: int,
+                          tensor_of_layer: Sequence[int] | None = None) -> Any:
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        if tensor_of_layer is not None:
+            return model.allocate_kv_cache_per_layer([(shape, self.dtype, t) for t in tensor_of_layer])
+        return model.allocate_kv_cache(shape, self.dtype, num_layers)
 
     def warmup(self, model: Any, kv_cache: Any, config: ServingConfig, page_table_width: int,
                progress: Progress) -> None:

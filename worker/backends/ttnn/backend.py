@@ -228,16 +228,31 @@ class TtnnBackend:
         devices = max(1, self.spec.num_devices // tt_data_parallel)
         return (num_blocks, num_kv_heads // min(devices, num_kv_heads), block_size, head_dim)
 
+    def hybrid_kv_cache(self, model_cls: type) -> bool:
+        """Never on a mesh today. The plugin sends `page_tables_per_layer` only when vLLM forms
+        several KV groups, and tt-metal's `HybridAttentionForCausalLM.get_kv_cache_spec`
+        (models/tt_transformers/tt/generator_vllm.py, the version that adds the class) emits
+        FullAttentionSpec for every layer, one group: "SlidingWindowSpec is temporarily disabled:
+        TT-side decode passes the absolute position to paged_update_cache / paged_sdpa_decode ...
+        positions beyond the sliding window collapse onto physical block 0 and silently corrupt
+        the cache". A class with `_HYBRID_KV_CACHE_GROUPS_ENABLED` on is refused before it loads
+        (tt_models.hybrid_kv_cache_problem)."""
+        return False
+
     def allocate_kv_cache(self, model: Any, num_blocks: int, num_kv_heads: int, block_size: int,
-                          head_dim: int, num_layers: int, num_lanes: int) -> Any:
+                          head_dim: int, num_layers: int, num_lanes: int,
+                          tensor_of_layer: Sequence[int] | None = None) -> Any:
         """One (K, V) pair per layer, in the model config's dtype. A class with
         `allocate_kv_cache_per_layer` (tt-metal's hybrid-attention models) gets the per-layer
-        specs, as the plugin prefers; here every layer has the same shape (uniform attention)."""
+        specs, as the plugin prefers: each layer its own buffer, or with hybrid KV groups
+        (`tensor_of_layer`) the buffer it shares with layer i of every other group."""
         shape = self.kv_cache_shape(num_blocks, num_kv_heads, block_size, head_dim,
                                     tt_data_parallel(self.family(type(model)), num_lanes, self.spec))
         dtype = self.kv_dtype
         if callable(getattr(model, "allocate_kv_cache_per_layer", None)):
-            return model.allocate_kv_cache_per_layer([(shape, dtype, layer) for layer in range(num_layers)])
+            tensors = tensor_of_layer if tensor_of_layer is not None else range(num_layers)
+            return model.allocate_kv_cache_per_layer([(shape, dtype, t) for t in tensors])
+        assert tensor_of_layer is None, "hybrid KV groups need allocate_kv_cache_per_layer (hybrid_kv_cache)"
         return model.allocate_kv_cache(shape, dtype, num_layers)
 
     # ---- warmup ----

@@ -33,6 +33,15 @@ The fast paths of llama.py, for this model:
   and the query_pre_attn_scalar scale ride in the q/k/v projection (_NormedQKV).
 * Static decode (enable_trace) and its CUDA graph (DecodeGraph): served. `_static_step` builds the
   full and sliding masks, and this module's `_forward` reads nothing back to the host.
+* Hybrid KV cache groups (`hybrid_kv_cache_groups`): on. The local and the global layers keep
+  block tables of their own and share buffers (llama.py's allocate_kv_cache_per_layer,
+  page_tables_per_layer); `_forward` hands layer i to llama.py's attention, which pages through
+  layer i's table. tt-metal's HybridAttentionForCausalLM (models/tt_transformers/tt/generator_vllm.py)
+  has the same switch, `_HYBRID_KV_CACHE_GROUPS_ENABLED`, off there: its get_kv_cache_spec gives
+  every layer a FullAttentionSpec (its comment: the device ops index a sliding group's table at
+  absolute positions, and vLLM's zeroed entries sent them onto block 0). Here a layer writes only
+  the entries of the positions it computes, which its group holds, and reads the others (0 or
+  stale once freed) under the sliding mask.
 """
 from __future__ import annotations
 
@@ -187,6 +196,7 @@ class TorchGemma3ForCausalLM(TorchLlamaForCausalLM):
     required_extras = ("q_norm.weight", "k_norm.weight")
     allows_cpu_kernels = False
     no_cpu_kernels_reason = "the kernels compute Llama's norms and one RoPE base (Gemma has (1 + w) norms, two bases)"
+    hybrid_kv_cache_groups = True
     shape: Gemma3Shape
 
     def __init__(self, shape: Gemma3Shape, state: Mapping[str, torch.Tensor], device: torch.device,
@@ -241,6 +251,7 @@ class TorchGemma3ForCausalLM(TorchLlamaForCausalLM):
                  True: (self._local_cos[step.positions].unsqueeze(2), self._local_sin[step.positions].unsqueeze(2))}
         for i, layer in enumerate(self.layers):
             cos, sin = ropes[s.local_rope_layers[i]]
+            # Layer i: its mask, and its KV cache group's page table (step.paging[i]).
             attended = self._attention(layer, _norm(x, layer.input_norm, eps), cos, sin, step, kv_cache, i)
             x = x + _norm(attended, layer.post_norm, eps)
             x = x + _norm(layer.mlp(_norm(x, layer.pre_ff_norm, eps)), layer.post_ff_norm, eps)

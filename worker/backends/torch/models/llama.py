@@ -23,16 +23,26 @@ The contract is the one tt-metal's models expose to serving systems
   page table), as a device replays its trace: a CUDA graph on CUDA (captured by
   warmup_model_decode), the same shapes eagerly on a CPU. Empty rows then write their K/V into a
   scratch block that allocate_kv_cache adds after the caller's blocks and no page table names.
+* Hybrid KV cache groups (vLLM's hybrid KV cache manager, as Tenstorrent's vLLM plugin drives it:
+  vllm-tt-plugin src/vllm_tt_plugin/model_runner.py `_build_per_layer_specs`,
+  `_block_tables_per_layer`; tt-metal models/tt_transformers/tt/generator_vllm.py
+  `allocate_vllm_kv_cache_per_layer`, `HybridAttentionForCausalLM`). allocate_kv_cache_per_layer
+  lets several layers share one K/V buffer; the forwards' `page_tables_per_layer` gives each layer
+  the page table of its group, through which it writes and reads that buffer. Groups own disjoint
+  block ids, so layers sharing a buffer never touch each other's blocks. A sliding-window group's
+  entries before the window (blocks the control plane freed) hold 0 or stale ids: never written
+  (writes go to the positions computed now, inside the window) and read only under the sliding
+  mask.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +57,12 @@ from .paged_kv import KVCache
 
 
 log = logging.getLogger(__name__)
+
+Built = TypeVar("Built")
+
+# allocate_kv_cache_per_layer's entries, one per layer: (shape, dtype, tensor_idx), as the plugin's
+# `_build_per_layer_specs` builds them.
+LayerSpec = tuple[Sequence[int], torch.dtype, int]
 
 
 class CheckpointError(ValueError):
@@ -193,6 +209,14 @@ class _Checkpoint(Mapping[str, torch.Tensor]):
 # --- the model -------------------------------------------------------------------------------
 
 @dataclass(slots=True)
+class _Paging:
+    """Where one page table puts a step's keys, for the layers that read through it."""
+
+    block_table: torch.Tensor   # [B, T // block_size] block ids, 0 where the row needs none
+    writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # lane -> (flat, blk, off)
+
+
+@dataclass(slots=True)
 class _Step:
     """Index plan of one forward call, shared by every layer."""
 
@@ -204,8 +228,9 @@ class _Step:
     # for the `group` query heads that share a KV head (the GQA layout of _attention).
     masks: dict[bool, torch.Tensor]
     lanes: list[tuple[int, torch.Tensor | None]]  # (lane, rows of the batch; None = all)
-    block_table: torch.Tensor   # [B, T // block_size] block ids, 0 where the row needs none
-    writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # lane -> (flat, blk, off)
+    # Per layer. Layers that read one page table (every layer, unless the call passed
+    # page_tables_per_layer; else one per KV cache group) share one object, built once per step.
+    paging: list[_Paging]
     # Vision models (qwen2_5_vl.py): input embeddings [B, S, hidden] with the images' merged in
     # (None: embed `tokens`), and mRoPE positions [3, B, S] (None: `positions` on every axis).
     embeds: torch.Tensor | None = None
@@ -244,6 +269,11 @@ class TorchLlamaForCausalLM:
     allows_cpu_kernels: bool = True
     # Why a class that turns them off cannot use them (logged at allocate_kv_cache).
     no_cpu_kernels_reason = "its forward is not the one the kernels compute"
+    # Serves vLLM's hybrid KV cache groups: sliding-window and full-attention layers in groups
+    # with block tables of their own (allocate_kv_cache_per_layer, page_tables_per_layer). The
+    # forwards honour per-layer tables for every class; the flag says which ones ask for groups,
+    # as tt-metal's HybridAttentionForCausalLM._HYBRID_KV_CACHE_GROUPS_ENABLED does (generator_vllm.py).
+    hybrid_kv_cache_groups: bool = False
 
     def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int) -> None:
@@ -318,12 +348,7 @@ class TorchLlamaForCausalLM:
         (the last) that static-shape decode steps write their empty rows into. The tensors are
         views of one storage per lane: vLLM CPU's layout when its kernels serve the model
         (cpu_kernels.allocate), else worker/backends/torch/models/paged_kv.py's."""
-        blocks, kv_heads, block_size, head_dim = kv_cache_shape
-        if (kv_heads, head_dim) != (self.shape.num_kv_heads, self.shape.head_dim):
-            raise ValueError(f"kv_cache_shape {tuple(kv_cache_shape)} does not fit the model: "
-                             f"num_kv_heads={self.shape.num_kv_heads}, head_dim={self.shape.head_dim}")
-        if num_layers != self.shape.num_layers:
-            raise ValueError(f"num_layers={num_layers}, the model has {self.shape.num_layers}")
+        blocks, kv_heads, block_size, head_dim = self._check_kv_shape(kv_cache_shape, num_layers)
         why = (f"the KV cache's {dtype} is not the model's {self.dtype}" if dtype != self.dtype else
                f"{type(self).__name__}: {self.no_cpu_kernels_reason}" if not self.allows_cpu_kernels
                else cpu_kernels.unavailable(self.device, dtype, block_size, head_dim, self.shape.sliding_window))
@@ -337,6 +362,45 @@ class TorchLlamaForCausalLM:
         return paged_kv.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim,
                                  dtype, self.device)
 
+    def allocate_kv_cache_per_layer(self, per_layer_specs: Sequence[LayerSpec]) -> KVCache:
+        """The hybrid allocation: `per_layer_specs` holds (shape, dtype, tensor_idx) per decoder
+        layer, in layer order (vllm-tt-plugin model_runner.py `_build_per_layer_specs`); layers
+        with one tensor_idx share one K/V buffer and index disjoint blocks of it through their
+        groups' page tables (tt-metal generator_vllm.py `allocate_vllm_kv_cache_per_layer`).
+
+        Returns allocate_kv_cache's structure, kv_cache[lane][layer] = [K, V], each shape plus the
+        scratch block; layers sharing a buffer get views of the same memory. Every entry must
+        have one shape (this model's layers all have its KV heads and head_dim) and one dtype.
+        Always paged_kv.py's layout: the vLLM CPU kernels' path does not take per-layer tables.
+        """
+        specs = list(per_layer_specs)
+        if len(specs) != self.shape.num_layers:
+            raise ValueError(f"per_layer_specs has {len(specs)} entries; the model has "
+                             f"{self.shape.num_layers} layers (one entry per layer, in layer order)")
+        shapes = {tuple(int(d) for d in shape) for shape, _, _ in specs}
+        dtypes = {dtype for _, dtype, _ in specs}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise ValueError(f"per_layer_specs must give every layer one shape and dtype, got shapes "
+                             f"{sorted(shapes)} and dtypes {sorted(map(str, dtypes))}")
+        (shape,), (dtype,) = shapes, dtypes
+        blocks, kv_heads, block_size, head_dim = self._check_kv_shape(shape, len(specs))
+        # Dense storage indices: the plugin numbers its buffers 0..n-1, tt-metal only keys by them.
+        dense = {t: i for i, t in enumerate(sorted({int(t) for _, _, t in specs}))}
+        self.kernel_isa = ""
+        if self.device.type == "cpu" and dtype != torch.float32:
+            log.info("attention, norms and RoPE run plain torch: per-layer KV buffers are paged_kv.py's")
+        return paged_kv.allocate(self.lanes, len(specs), blocks + 1, kv_heads, block_size, head_dim, dtype,
+                                 self.device, tensor_of_layer=[dense[int(t)] for _, _, t in specs])
+
+    def _check_kv_shape(self, kv_cache_shape: Sequence[int], num_layers: int) -> tuple[int, int, int, int]:
+        blocks, kv_heads, block_size, head_dim = kv_cache_shape
+        if (kv_heads, head_dim) != (self.shape.num_kv_heads, self.shape.head_dim):
+            raise ValueError(f"kv_cache_shape {tuple(kv_cache_shape)} does not fit the model: "
+                             f"num_kv_heads={self.shape.num_kv_heads}, head_dim={self.shape.head_dim}")
+        if num_layers != self.shape.num_layers:
+            raise ValueError(f"num_layers={num_layers}, the model has {self.shape.num_layers}")
+        return blocks, kv_heads, block_size, head_dim
+
     # --- contract: forward passes ------------------------------------------------------------
 
     @torch.inference_mode()
@@ -344,20 +408,35 @@ class TorchLlamaForCausalLM:
                         prompt_lens: Sequence[int] | torch.Tensor,
                         start_pos: Sequence[int] | torch.Tensor | None = None,
                         enable_trace: bool = False, sampling_params: SamplingBatch | None = None,
-                        empty_slots: Sequence[int] | None = None, **_: Any) -> torch.Tensor:
+                        empty_slots: Sequence[int] | None = None,
+                        page_tables_per_layer: Sequence[torch.Tensor] | None = None, **_: Any) -> torch.Tensor:
         """Computes tokens[i, start_pos[i]:prompt_lens[i]] of each prefill user i.
 
         Writes the chunk's K/V into the paged cache and attends over [0, prompt_lens[i]).
         Returns logits of each row's last token [B, 1, vocab] float32, or, with sampling_params,
-        the sampled tokens [B] int64. Further keyword arguments of tt-metal's generator
+        the sampled tokens [B] int64. With page_tables_per_layer (hybrid KV cache groups: one
+        table per decoder layer, page_table's row layout), layer i pages through its own table
+        and page_table is not read. Further keyword arguments of tt-metal's generator
         (model_id_warmup, warmup_prefill, ...) carry nothing here and are accepted and ignored.
         """
         del enable_trace  # eager torch: every shape runs as it comes
         chunk_tokens, start, end, lanes = self._prefill_inputs(tokens, prompt_lens, start_pos, empty_slots)
-        logits = self._run(chunk_tokens, start, end, page_table, lanes, kv_cache)
+        logits = self._run(chunk_tokens, start, end, page_table, lanes, kv_cache,
+                           layer_tables=self._layer_tables(page_tables_per_layer))
         if sampling_params is not None:
             return sample(logits, sampling_params)
         return logits.unsqueeze(1)
+
+    def _layer_tables(self, page_tables_per_layer: Sequence[torch.Tensor] | None
+                      ) -> list[torch.Tensor] | None:
+        """page_tables_per_layer checked: one table per decoder layer, or None."""
+        if page_tables_per_layer is None:
+            return None
+        tables = list(page_tables_per_layer)
+        if len(tables) != self.shape.num_layers:
+            raise ValueError(f"page_tables_per_layer has {len(tables)} tables; the model has "
+                             f"{self.shape.num_layers} layers")
+        return tables
 
     def _prefill_inputs(self, tokens: torch.Tensor, prompt_lens: Sequence[int] | torch.Tensor,
                         start_pos: Sequence[int] | torch.Tensor | None, empty_slots: Sequence[int] | None
@@ -386,11 +465,12 @@ class TorchLlamaForCausalLM:
     def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor,
                        page_table: torch.Tensor, kv_cache: KVCache, enable_trace: bool = False,
                        read_from_device: bool = True, sampling_params: SamplingBatch | None = None,
-                       **_: Any) -> torch.Tensor:
+                       page_tables_per_layer: Sequence[torch.Tensor] | None = None, **_: Any) -> torch.Tensor:
         """One token per row at position start_pos[r] (-1: empty row, no KV written).
 
         Row r uses kv_cache[r // max_batch_size]. Returns logits [R, 1, vocab] float32 or, with
         sampling_params, tokens [R] int64; on the model's device unless read_from_device.
+        page_tables_per_layer: as prefill_forward's (each table's rows are page_table's rows).
         tt-metal's extra keywords (reset_batch, prompt_tokens, ...) are accepted and ignored.
         """
         rows = tokens.shape[0]
@@ -399,15 +479,22 @@ class TorchLlamaForCausalLM:
                              f"{self.max_batch_size}")
         pos = _long(start_pos, rows)
         live = (pos >= 0).nonzero().flatten()
+        layer_tables = self._layer_tables(page_tables_per_layer)
         if enable_trace and rows == self.lanes * self.max_batch_size:
-            logits = self._static_decode(tokens, pos, page_table, kv_cache)[live.to(self.device)]
+            logits = self._static_decode(tokens, pos, page_table, kv_cache, layer_tables)[live.to(self.device)]
         else:
             # Only active rows are computed: on a CPU every empty row would be a full forward
             # pass of wasted arithmetic.
             start = pos[live]
+
+            def live_rows(table: torch.Tensor) -> torch.Tensor:
+                return table.cpu()[live]
+
+            if layer_tables is not None:
+                layer_tables = _each_distinct(layer_tables, live_rows)
             logits = self._run(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
-                               page_table.cpu()[live], [int(r) // self.max_batch_size for r in live],
-                               kv_cache, rope_offset=self._decode_rope_offset(live))
+                               live_rows(page_table), [int(r) // self.max_batch_size for r in live],
+                               kv_cache, rope_offset=self._decode_rope_offset(live), layer_tables=layer_tables)
         live_dev = live.to(logits.device)
         if sampling_params is not None:
             out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
@@ -455,21 +542,31 @@ class TorchLlamaForCausalLM:
     # --- internals ---------------------------------------------------------------------------
 
     def _static_decode(self, tokens: torch.Tensor, pos: torch.Tensor, page_table: torch.Tensor,
-                       kv_cache: KVCache) -> torch.Tensor:
+                       kv_cache: KVCache, layer_tables: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [R, vocab] of every row through the static shapes: the captured graph when it
         fits these inputs, else the same computation eagerly."""
         graph = self._decode_graph
-        if graph is not None and graph.fits(tokens, page_table):
+        # The graph was captured reading one page table; per-layer tables run the same static
+        # step eagerly (a graph per table layout is not worth it for a reference model).
+        if graph is not None and layer_tables is None and graph.fits(tokens, page_table):
             return graph.replay(tokens, pos, page_table.long())
         dev = self.device
+        rows, width = page_table.shape
+        if layer_tables is not None:
+            if any(t.shape[0] < rows or t.shape[1] != width for t in layer_tables):
+                raise ValueError(f"the static decode needs every per-layer page table as wide as "
+                                 f"page_table ({width}) with its {rows} rows; got "
+                                 f"{sorted({tuple(t.shape) for t in layer_tables})}")
+            layer_tables = _each_distinct(layer_tables, lambda t: t[:rows].to(dev).long())
         step = self._static_step(tokens.to(dev).long().reshape(-1, 1), pos.to(dev),
-                                 page_table.to(dev).long(), kv_cache)
+                                 page_table.to(dev).long(), kv_cache, layer_tables)
         return self._forward(step, kv_cache)
 
     def _static_step(self, tokens: torch.Tensor, pos: torch.Tensor, page_table: torch.Tensor,
-                     kv_cache: KVCache) -> _Step:
+                     kv_cache: KVCache, layer_tables: list[torch.Tensor] | None = None) -> _Step:
         """The decode plan with shapes fixed by the batch ([R, 1]) and the page table ([R, W]):
         torch operations on the model's device only, nothing read back (capturable).
+        `layer_tables` (one [R, W] table per layer, on the device) replace page_table layer by layer.
 
         Every row attends over all W blocks, masked to its own positions. An empty row
         (position -1) computes at position 0, attends to key 0 alone and writes into the
@@ -482,7 +579,6 @@ class TorchLlamaForCausalLM:
         live = pos >= 0
         at = pos.clamp(min=0)
         in_use = torch.arange(width, device=dev)[None, :] <= (at // block_size)[:, None]
-        table = torch.where(in_use, page_table, 0).clamp(0, scratch - 1)
         keys = torch.arange(width * block_size, device=dev)
         causal = keys[None, :] <= at[:, None]
         masks = {False: causal}
@@ -491,18 +587,23 @@ class TorchLlamaForCausalLM:
         group = self.shape.num_heads // self.shape.num_kv_heads
         masks = {k: _additive(m[:, None, None, :].expand(rows, 1, group, m.shape[-1]), self.dtype)
                  for k, m in masks.items()}
-        blk = torch.where(live, table.gather(1, (at // block_size)[:, None]).squeeze(1), scratch)
         off = torch.where(live, at % block_size, 0)
         per_lane = self.max_batch_size
-        lanes: list[tuple[int, torch.Tensor | None]] = []
-        writes = {}
-        for lane in range(self.lanes):
-            lane_rows = torch.arange(lane * per_lane, (lane + 1) * per_lane, device=dev)
-            lanes.append((lane, None if self.lanes == 1 else lane_rows))
-            writes[lane] = (lane_rows, blk[lane_rows], off[lane_rows])
+        lane_rows = [torch.arange(lane * per_lane, (lane + 1) * per_lane, device=dev)
+                     for lane in range(self.lanes)]
+        lanes = [(lane, None if self.lanes == 1 else r) for lane, r in enumerate(lane_rows)]
+
+        def paging(page_table: torch.Tensor) -> _Paging:
+            # Blocks past a row's position are padding: block 0, masked. Entries before a sliding
+            # group's window (0 or stale) stay in [0, scratch) and are masked too.
+            table = torch.where(in_use, page_table, 0).clamp(0, scratch - 1)
+            blk = torch.where(live, table.gather(1, (at // block_size)[:, None]).squeeze(1), scratch)
+            return _Paging(table, {lane: (r, blk[r], off[r]) for lane, r in enumerate(lane_rows)})
+
+        sources = [page_table] * self.shape.num_layers if layer_tables is None else layer_tables
         return _Step(tokens=tokens, positions=at.clamp(max=self.max_seq_len - 1)[:, None],
                      last=torch.zeros(rows, dtype=torch.long, device=dev), masks=masks, lanes=lanes,
-                     block_table=table, writes=writes)
+                     paging=_each_distinct(sources, paging))
 
     def _decode_rope_offset(self, rows: torch.Tensor) -> torch.Tensor | None:
         """What decode rows [n] add to their position for RoPE (mRoPE models: the request's rope
@@ -511,16 +612,22 @@ class TorchLlamaForCausalLM:
 
     def _run(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache,
-             rope_offset: torch.Tensor | None = None) -> torch.Tensor:
+             rope_offset: torch.Tensor | None = None, layer_tables: list[torch.Tensor] | None = None
+             ) -> torch.Tensor:
         """Float32 logits [B, vocab] of each row's last token of chunk_tokens [B, S] (row i
-        computes positions start[i]..end[i], rotated `rope_offset` further), on the kernels'
-        path when the cache is theirs (never with a rope offset: mRoPE models run plain torch)."""
+        computes positions start[i]..end[i], rotated `rope_offset` further; layer i paging
+        through layer_tables[i] when given), on the kernels' path when the cache is theirs (never
+        with a rope offset: mRoPE models run plain torch; never with per-layer tables:
+        allocate_kv_cache_per_layer never makes their cache)."""
         if self.kernel_isa and _kernel_layout(kv_cache):
             assert rope_offset is None, "the CPU kernels' path rotates at sequence positions"
+            if layer_tables is not None:
+                raise ValueError("page_tables_per_layer needs a cache from allocate_kv_cache_per_layer; "
+                                 "this one is the vLLM CPU kernels' (allocate_kv_cache)")
             return self._forward_packed(self._pack(chunk_tokens, start, end, page_table, lane_of_row,
                                                    kv_cache), kv_cache)
         return self._forward(self._plan(chunk_tokens, start, end, page_table, lane_of_row, kv_cache,
-                                        rope_offset), kv_cache)
+                                        rope_offset, layer_tables), kv_cache)
 
     def _pack(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
               page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Packed:
@@ -592,9 +699,11 @@ class TorchLlamaForCausalLM:
 
     def _plan(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
               page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache,
-              rope_offset: torch.Tensor | None = None) -> _Step:
+              rope_offset: torch.Tensor | None = None, layer_tables: list[torch.Tensor] | None = None
+              ) -> _Step:
         """Builds the index plan: rows [B] compute chunk_tokens [B, S] at positions start..end
-        (rotated at those positions plus `rope_offset` [B], when given)."""
+        (rotated at those positions plus `rope_offset` [B], when given), every layer paging
+        through page_table, or layer i through layer_tables[i] (rows as page_table's)."""
         batch, width = chunk_tokens.shape
         cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
         if batch and int(end.max()) > self.max_seq_len:
@@ -605,8 +714,8 @@ class TorchLlamaForCausalLM:
         positions = start[:, None] + offsets
         valid = positions < end[:, None]  # real tokens: they write KV and are real queries
 
-        table = _block_table(page_table, end, block_size, cache_blocks)
-        num_blocks = table.shape[1]
+        # Every table is as wide as the longest row needs: one key range, one set of masks.
+        num_blocks = max(int(((end + block_size - 1) // block_size).max()) if batch else 0, 1)
 
         # Invalid queries (padding, empty rows) attend to key 0 alone: their output is unused
         # and this keeps softmax away from an all-masked row (NaN).
@@ -622,17 +731,24 @@ class TorchLlamaForCausalLM:
                  .reshape(batch, 1, group * width, m.shape[-1]) for k, m in masks.items()}
 
         flat = torch.arange(batch * width).reshape(batch, width)
-        blk = table.gather(1, (positions.clamp(max=num_blocks * block_size - 1) // block_size))
+        block_of = positions.clamp(max=num_blocks * block_size - 1) // block_size
         off = positions % block_size
         lanes: list[tuple[int, torch.Tensor | None]] = []
-        writes = {}
+        mine = {}
         lane_rows = torch.tensor(lane_of_row, dtype=torch.long)
         for lane in sorted(set(lane_of_row)):
             rows = (lane_rows == lane).nonzero().flatten()
             lanes.append((lane, None if len(rows) == batch else rows.to(self.device)))
-            mine = valid & (lane_rows == lane)[:, None]
-            writes[lane] = tuple(t[mine].to(self.device) for t in (flat, blk, off))
+            mine[lane] = valid & (lane_rows == lane)[:, None]
         dev = self.device
+
+        def paging(page_table: torch.Tensor) -> _Paging:
+            table = _block_table(page_table, end, block_size, cache_blocks)
+            blk = table.gather(1, block_of)
+            return _Paging(table.to(dev), {lane: tuple(t[m].to(dev) for t in (flat, blk, off))
+                                           for lane, m in mine.items()})
+
+        sources = [page_table] * self.shape.num_layers if layer_tables is None else layer_tables
         return _Step(
             tokens=chunk_tokens.to(dev),
             positions=(positions if rope_offset is None else positions + rope_offset.cpu().long()[:, None])
@@ -640,8 +756,7 @@ class TorchLlamaForCausalLM:
             last=(end - start - 1).clamp(min=0).to(dev),
             masks={k: _additive(v.to(dev), self.dtype) for k, v in masks.items()},
             lanes=lanes,
-            block_table=table.to(dev),
-            writes=writes,
+            paging=_each_distinct(sources, paging),
         )
 
     def _forward(self, step: _Step, kv_cache: KVCache) -> torch.Tensor:
@@ -682,12 +797,13 @@ class TorchLlamaForCausalLM:
         k_flat = k.reshape(batch * width, s.num_kv_heads, s.head_dim)
         v_flat = v.reshape(batch * width, s.num_kv_heads, s.head_dim)
         out = None if len(step.lanes) == 1 else torch.empty_like(q)
+        paging = step.paging[index]
         for lane, rows in step.lanes:
-            flat, blk, off = step.writes[lane]
+            flat, blk, off = paging.writes[lane]
             # Write first, then read: the chunk attends to its own keys through the cache.
             keys, values = paged_kv.write_then_gather(
                 *kv_cache[lane][index], blk, off, k_flat[flat], v_flat[flat],
-                step.block_table if rows is None else step.block_table[rows])
+                paging.block_table if rows is None else paging.block_table[rows])
             q_l = q if rows is None else q[rows]
             m = mask if rows is None else mask[rows]
             n = q_l.shape[0]
@@ -703,12 +819,24 @@ class TorchLlamaForCausalLM:
         return layer.o(out)
 
 
+def _each_distinct(tables: Sequence[torch.Tensor], build: Callable[[torch.Tensor], Built]) -> list[Built]:
+    """build(table) for each table, computed once per distinct tensor object: the layers of one
+    KV cache group (one table object in page_tables_per_layer) share the result."""
+    built: dict[int, Built] = {}
+    for table in tables:
+        if id(table) not in built:  # ids are unique: every table is alive in `tables`
+            built[id(table)] = build(table)
+    return [built[id(table)] for table in tables]
+
+
 def _block_table(page_table: torch.Tensor, end: torch.Tensor, block_size: int,
                  cache_blocks: int) -> torch.Tensor:
     """The [B, nb] block ids covering each row's [0, end); nb fits the longest row.
 
     Entries past a row's own blocks may be padding (-1, 0, anything): they become block 0,
-    which the attention mask hides.
+    which the attention mask hides. Entries of a sliding-window group before its window (0 or
+    stale ids: blocks the control plane freed) must still be in range; they are read only
+    under the sliding mask.
     """
     batch = end.shape[0]
     pt = page_table.cpu().long()[:batch]

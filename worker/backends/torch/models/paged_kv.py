@@ -1,9 +1,11 @@
 """The paged KV cache's storage, and how attention writes and reads it block by block.
 
-Storage: one tensor per lane, [num_layers, num_blocks, block_size, 2, num_kv_heads, head_dim]:
-token-major inside a block, K and V of a token side by side. The contract's view of it,
+Storage: one tensor per lane, [num_tensors, num_blocks, block_size, 2, num_kv_heads, head_dim]:
+token-major inside a block, K and V of a token side by side. A tensor is one layer's, or, with
+hybrid KV cache groups (allocate's `tensor_of_layer`), the buffer several layers share, each
+indexing disjoint blocks of it through its group's page table. The contract's view of it,
 kv_cache[lane][layer] = [K, V] each [num_blocks, num_kv_heads, block_size, head_dim], is a
-strided view of that storage (the same memory, tt-metal's shape), so callers and tests that
+strided view of the layer's tensor (the same memory, tt-metal's shape), so callers and tests that
 index K or V by (block, head, offset) see exactly what attention wrote.
 
 Why this layout: a row's keys are the blocks its page table names, in order. Gathering them with
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -23,14 +26,19 @@ KVCache = list[list[list[torch.Tensor]]]  # [lane][layer] -> [K, V]
 
 
 def allocate(lanes: int, layers: int, blocks: int, kv_heads: int, block_size: int, head_dim: int,
-             dtype: torch.dtype, device: torch.device) -> KVCache:
-    """Zeroed storage per lane and the contract's [K, V] views of each layer."""
+             dtype: torch.dtype, device: torch.device, tensor_of_layer: Sequence[int] | None = None) -> KVCache:
+    """Zeroed storage per lane and the contract's [K, V] views of each layer: of tensor
+    tensor_of_layer[layer] (layers naming one tensor view the same memory; tensors
+    0..max(tensor_of_layer)), or each layer its own when None."""
+    tensor_of = list(range(layers)) if tensor_of_layer is None else [int(t) for t in tensor_of_layer]
+    if len(tensor_of) != layers or min(tensor_of, default=0) < 0:
+        raise ValueError(f"tensor_of_layer {tensor_of} must name a tensor >= 0 for each of {layers} layers")
     cache: KVCache = []
-    shape = (layers, blocks, block_size, 2, kv_heads, head_dim)
+    shape = (max(tensor_of, default=-1) + 1, blocks, block_size, 2, kv_heads, head_dim)
     for _ in range(lanes):
         storage = zeroed_host(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
-        cache.append([[storage[layer, :, :, kind].transpose(1, 2) for kind in (0, 1)]
-                      for layer in range(layers)])
+        cache.append([[storage[tensor, :, :, kind].transpose(1, 2) for kind in (0, 1)]
+                      for tensor in tensor_of])
     return cache
 
 
@@ -71,13 +79,14 @@ def write_then_gather(cache_k: torch.Tensor, cache_v: torch.Tensor, blk: torch.T
 
 def _layer_storage(cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor | None:
     """The [num_blocks, block_size, 2, kv_heads, head_dim] storage a layer's K and V view, when
-    they are `allocate`'s views."""
+    they are `allocate`'s views: the tensor their offset in the 6-d storage falls in (the one
+    the layer shares with its tensor's other layers)."""
     base = cache_k._base
     if (base is None or base is not cache_v._base or base.dim() != 6
             or cache_v.data_ptr() - cache_k.data_ptr() != base.stride(3) * base.element_size()):
         return None
-    layer = (cache_k.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
-    return base[layer]
+    tensor = (cache_k.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
+    return base[tensor]
 
 
 def _gather_head_major(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
