@@ -132,7 +132,7 @@ class BlockPool:
         for g, window in enumerate(self.windows):
             if not window:
                 continue
-            skip = max(0, computed - window + 1) // self.block_size
+            skip = max(0, computed - window + 1) // self.block_size  # position `computed` reads on
             gone = skip - request.num_skipped_blocks[g]
             if gone > 0:
                 table = request.block_tables[g]
@@ -150,9 +150,12 @@ class BlockPool:
             request.num_published_blocks = full
 
     def release(self, request: Request) -> None:
-        """Give its blocks back, tail first (see `free`)."""
-        for table in request.block_tables:
-            self.free(reversed(table))
+        """Give its blocks back, tail first across its groups (see `free`): logical block i of
+        every group before block i - 1 of any, so the prefix a later hit needs in group 0 goes last."""
+        tables, skipped = request.block_tables, request.num_skipped_blocks
+        logical = len(tables[0]) if tables else 0
+        self.free(table[i - skip] for i in reversed(range(logical))
+                  for table, skip in zip(tables, skipped) if i >= skip)
         request.block_tables = []
         request.num_skipped_blocks = []
         request.num_published_blocks = 0
@@ -161,25 +164,38 @@ class BlockPool:
     def lookup(self, hashes: list[int]) -> PrefixHit:
         """The longest cached prefix of `hashes` that every group holds (does not take it): group
         0 every block of it, a sliding group the blocks its window reads at the resume point."""
-        groups = len(self.windows)
-        first = self._cached(0, hashes, 0, len(hashes), longest=True) if self.enable_caching else []
-        assert first is not None
+        if not self.enable_caching:
+            return PrefixHit(0, [[] for _ in self.windows], [0] * len(self.windows))
+        first = self._cached(0, hashes)
+        # Per later group, how many cached blocks end at each index (consecutive): a prefix of n
+        # blocks fits the group when its window's blocks, [skip(n), n), are all cached.
+        runs = []
+        for g in range(1, len(self.windows)):
+            run, count = [], 0
+            for h in hashes[:len(first)]:
+                count = count + 1 if (g, h) in self._block_of else 0
+                run.append(count)
+            runs.append(run)
         for n in range(len(first), -1, -1):  # one pass for a model of one group
-            skipped = [max(0, n * self.block_size - w + 1) // self.block_size if w else 0 for w in self.windows]
-            tables = [first[:n], *(self._cached(g, hashes, skipped[g], n) for g in range(1, groups))]
-            if all(t is not None for t in tables):
-                return PrefixHit(n, tables, skipped)  # type: ignore[arg-type]
+            skipped = [self._skipped(w, n) for w in self.windows]
+            if all(n == skip or run[n - 1] >= n - skip for run, skip in zip(runs, skipped[1:])):
+                tables = [first[:n], *([self._block_of[(g, h)] for h in hashes[skipped[g]:n]]
+                                       for g in range(1, len(self.windows)))]
+                return PrefixHit(n, tables, skipped)
         raise AssertionError("the empty prefix is always a hit")
 
-    def _cached(self, group: int, hashes: list[int], start: int, end: int,
-                longest: bool = False) -> list[int] | None:
-        """The cached blocks of `group` for hashes[start:end]: None if one is not cached, or with
-        `longest` those up to the first that is not."""
+    def _skipped(self, window: int, num_blocks: int) -> int:
+        """Leading blocks a group of `window` no longer reads at the resume point of a
+        num_blocks-block prefix (the next position, num_blocks * block_size, reads W - 1 back)."""
+        return max(0, num_blocks * self.block_size - window + 1) // self.block_size if window else 0
+
+    def _cached(self, group: int, hashes: list[int]) -> list[int]:
+        """The cached blocks of `group` for the longest prefix of `hashes` it holds."""
         ids = []
-        for h in hashes[start:end]:
+        for h in hashes:
             block_id = self._block_of.get((group, h))
             if block_id is None:
-                return ids if longest else None
+                break
             ids.append(block_id)
         return ids
 

@@ -101,6 +101,9 @@ def plan_serving(config: EngineConfig, warm: WorkerDescription, asked: WarmupPla
     IncompatibleWorker for a later worker of another model or block size, or one whose lane
     cannot hold a max_model_len sequence."""
     notes = []
+    if not warm.kv_windows or warm.kv_windows[0] != 0:
+        raise IncompatibleWorker(f"the worker at {warm.address} describes KV groups with windows "
+                                 f"{list(warm.kv_windows)}: the first group must be full attention (window 0)")
     batched = asked.max_num_batched_tokens
     if warm.supports_chunked_prefill and batched < warm.block_size:
         notes.append(Note(logging.WARNING, f"max_num_batched_tokens raised from {batched} to the block size "
@@ -157,7 +160,9 @@ def sequence_blocks(windows: tuple[int, ...], block_size: int, num_tokens: int, 
     """Per KV group, the most blocks one sequence of `num_tokens` holds at once, prefilled in
     chunks of at most `chunk` tokens (control/blocks.py): a full-attention group a block per
     block_size tokens; a sliding group with window W what its last chunk reads, W - 1 tokens
-    back and the chunk, over at most one more block than they fill."""
+    back and the chunk, over at most one more block than they fill. One block more than a
+    block-aligned chunk needs, which a pipelined decode can use: its blocks are given back from
+    the tokens computed, two positions behind the one planned."""
     blocks = -(-num_tokens // block_size)
     return [min(blocks, -(-(w - 1 + chunk) // block_size) + 1) if w else blocks for w in windows]
 

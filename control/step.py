@@ -20,7 +20,7 @@ class GroupBlocks:
     GroupBlocks): the ids appended to its table, and how many leading entries its sliding window
     no longer reads (cumulative)."""
     new_block_ids: list[int]
-    num_skipped_blocks: int
+    num_skipped_blocks: int = 0
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ every prompt in chunks, and concurrent requests decode together.
 
 The worker runs hybrid KV cache groups (worker/kv_groups.py: the two global layers in one group,
 the four local ones in two): its KV budget is 40 blocks of 16 tokens and two layers each
-(KV_BYTES), where one table for all six layers would hold 13 blocks, 208 tokens.
+(KV_BYTES), where one table for all six layers would hold 13 blocks, 208 tokens. Prefix caching
+is on: a hit resumes each local group from the blocks its window reads there.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ TEXT = ("The history of the Roman Empire began when the city of Rome, founded on
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_gemma3) -> Stack:
     s = start_stack(tmp_path_factory.mktemp("gemma3"), str(tiny_gemma3),
-                    control_flags=("--max-num-seqs", "4", "--max-num-batched-tokens", "16"),
+                    control_flags=("--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--enable-prefix-caching"),
                     # The oracle is transformers in float32: the worker computes in it too.
                     worker_flags=("--dtype", "float32", "--block-size", "16", "--kv-cache-memory-bytes", str(KV_BYTES)))
     yield s
@@ -105,3 +106,18 @@ def test_sliding_layers_hold_only_their_window_so_one_lane_serves_past_a_single_
     assert out.choices[0].token_ids == expected
     log = stack.services[1].log_path.read_text()
     assert "shared by 3 KV groups (1 full attention, 2 sliding window of 16 tokens)" in log, log[-2000:]
+
+
+def test_a_prefix_hit_resumes_the_local_layers_from_their_window(client, model_name, hf):
+    """The same 100-token prompt twice: the second resumes at 96 from the cache. There the global
+    group holds all six blocks; each local group only block 5 (its window reads 81..95), the
+    first five entries skipped. Its tokens are transformers' greedy ones, as the first's."""
+    tokenizer, model = hf
+    ids = (tokenizer(TEXT)["input_ids"] * 3)[5:105]
+    expected = greedy(model, ids, 30)
+    replies = [client.completions.create(model=model_name, prompt=ids, max_tokens=30, temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+               for _ in range(2)]
+    assert [r.choices[0].token_ids for r in replies] == [expected, expected]
+    assert [r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+            for r in replies] == [0, 96]

@@ -15,16 +15,26 @@ from ttserve.control.request import FinishReason, Request, RequestStatus, Sampli
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.serving_plan import lane_capacity
 from ttserve.control.wire import WorkerDescription, step_batch_to_pb
-from ttserve.worker.kv_groups import group_layers, layer_windows, uniform
+from ttserve.worker.backends.torch.models.gemma3 import TorchGemma3ForCausalLM
+from ttserve.worker.backends.torch.models.llama import TorchLlamaForCausalLM
+from ttserve.worker.kv_groups import group_layers, uniform
 
 EOS = 2
 S, F = "sliding_attention", "full_attention"
 
 
 # ---- the worker's groups ----------------------------------------------------------------------
+def gemma3_config(**fields) -> dict:
+    """A Gemma 3 text config.json's fields the reference model reads (tiny sizes)."""
+    return {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 16, **fields}
+
+
 def test_tiny_gemma3_groups_its_two_full_and_four_sliding_layers_in_pairs():
-    groups = group_layers(layer_windows({"num_hidden_layers": 6, "sliding_window": 16,
-                                         "layer_types": [S, S, F, S, S, F]}))
+    windows = TorchGemma3ForCausalLM.kv_layer_windows(gemma3_config(
+        num_hidden_layers=6, sliding_window=16, layer_types=[S, S, F, S, S, F]))
+    assert windows == [16, 16, 0, 16, 16, 0]
+    groups = group_layers(windows)
     assert groups.windows == (0, 16, 16)
     assert groups.layers == ((2, 5), (0, 1), (3, 4))
     assert groups.group_size == 2
@@ -35,13 +45,21 @@ def test_tiny_gemma3_groups_its_two_full_and_four_sliding_layers_in_pairs():
 
 def test_gemma3_1b_makes_one_full_group_and_six_sliding_groups_of_four():
     # Gemma 3 1B: 26 layers, every sixth global (an older config: sliding_window_pattern).
-    windows = layer_windows({"num_hidden_layers": 26, "sliding_window": 512, "sliding_window_pattern": 6})
-    assert windows.count(0) == 4
+    windows = TorchGemma3ForCausalLM.kv_layer_windows(gemma3_config(
+        num_hidden_layers=26, sliding_window=512, sliding_window_pattern=6))
+    assert windows.count(0) == 4 and windows[5] == 0 and windows[0] == 512
     groups = group_layers(windows)
     assert groups.group_size == 4
     assert groups.windows == (0,) + (512,) * 6
     assert [len(layers) for layers in groups.layers] == [4, 4, 4, 4, 4, 4, 2]
     assert sorted(layer for layers in groups.layers for layer in layers) == list(range(26))
+
+
+def test_the_groups_follow_the_mask_the_model_applies():
+    # Qwen2 carries a sliding_window it does not apply (use_sliding_window false): no window.
+    qwen = gemma3_config(num_hidden_layers=4, sliding_window=4096, use_sliding_window=False)
+    assert TorchLlamaForCausalLM.kv_layer_windows(qwen) == [0] * 4
+    assert TorchGemma3ForCausalLM.kv_layer_windows(gemma3_config(num_hidden_layers=2, layer_types=[S, F])) == [0, 0]
 
 
 def test_near_equal_kinds_make_fewer_fuller_groups_and_one_kind_is_one_group():
@@ -50,7 +68,6 @@ def test_near_equal_kinds_make_fewer_fuller_groups_and_one_kind_is_one_group():
     assert group_layers([0] * 8) == uniform(8)
     assert group_layers([4096] * 8) == uniform(8)  # every layer slides: no full group to share with
     assert not uniform(8).hybrid
-    assert layer_windows({"num_hidden_layers": 2, "layer_types": [S, F]}) == [0, 0]  # no window: none
 
 
 # ---- the control plane's tables ---------------------------------------------------------------
@@ -222,3 +239,21 @@ def test_lane_capacity_counts_what_each_group_holds_of_one_sequence():
     assert capacity(2, (0, 16)) == 16  # one block each
     with pytest.raises(AssertionError):
         BlockPool(8, 4, windows=(8, 0))  # group 0 is full attention
+
+
+def test_a_released_requests_blocks_are_evicted_tail_first_across_groups():
+    """Logical block i of every group goes before block i - 1 of any: a later hit shortens a
+    block at a time instead of losing group 0's whole prefix first."""
+    g = lane(num_blocks=32, windows=(0, 64), block_size=4, caching=True, budget=64)
+    g.lanes[0].add(make("a", 26, max_tokens=1))
+    while g.has_work:
+        step(g)
+    pool = g.lanes[0].pool
+    hashes = make("b", 26).full_block_hashes(4, 25)
+    assert pool.lookup(hashes).num_blocks == 6
+    pool.allocate(pool.num_free - len(pool._hash_of))  # the blocks nothing cached (never used, partial)
+    hits = []
+    for _ in range(4):
+        hits.append(pool.lookup(hashes).num_blocks)
+        pool.allocate(2)
+    assert hits == [6, 5, 4, 3]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ttserve.worker.batch import DecodeItem, ImageInput, NewRequest, PrefillChunk, StepBatch
+from ttserve.worker.batch import DecodeItem, GroupBlocks, ImageInput, NewRequest, PrefillChunk, StepBatch
 from ttserve.worker.step_check import Limits, check_batch
 
 LIMITS = Limits(num_lanes=2, max_num_seqs=4, num_blocks_per_lane=16, block_size=4, max_model_len=32,
@@ -76,3 +76,36 @@ def test_a_valid_batch_passes_unchanged():
     kept, refused = check_batch(StepBatch(2, "prefill", new_requests=[new("n", 1)], released_ids=["old"],
                                           prefill=[PrefillChunk("n", [1], 0, [2], True)]), LIMITS, LIVE)
     assert refused == {}
+
+
+# ---- hybrid KV cache groups: one table per group (worker/kv_groups.py) --------------------------
+HYBRID = Limits(num_lanes=1, max_num_seqs=4, num_blocks_per_lane=32, block_size=4, max_model_len=64,
+                page_table_width=16, vocab_size=100, windows=(0, 8))
+
+
+@dataclass
+class HeldHybrid(Held):
+    group_lengths: list[int] = field(default_factory=list)
+
+
+def test_a_prefix_hits_first_chunk_skips_entries_its_group_never_held():
+    # A hit of 4 blocks resumes at 16, which reads 9..15: the sliding group skips blocks 0 and 1,
+    # holds 2 and 3, and both tables end with the chunk's new block.
+    chunk = PrefillChunk("hit", [1, 2, 3], 16, [0, 1, 2, 3, 4], True, cached_token_ids=[7] * 16,
+                         groups=[GroupBlocks([10, 11, 12], num_skipped_blocks=2)])
+    kept, refused = check_batch(StepBatch(1, "prefill", new_requests=[new("hit", 0)], prefill=[chunk]), HYBRID, {})
+    assert not refused and kept.prefill == [chunk]
+
+
+@pytest.mark.parametrize("groups, reason", [
+    ([], "carries blocks of 1 KV group(s); this worker's model has 2"),
+    ([GroupBlocks([40])], "KV group 1: block id(s) 40 outside"),
+    ([GroupBlocks([10, 11])], "KV group 1: its table would have 5 entries, the first group's 4"),
+    # Position 10 reads 3..10 (window 8): block 0 (tokens 0-3) is still read.
+    ([GroupBlocks([10], num_skipped_blocks=1)], "KV group 1: 1 skipped blocks, but position 10 reads from block 0"),
+])
+def test_a_later_groups_table_out_of_step_or_skipping_what_the_item_reads_is_refused(groups, reason):
+    live = {"r": HeldHybrid(0, [1, 2, 3], group_lengths=[3])}
+    item = DecodeItem("r", 5, 10, [4], groups=groups)
+    _, refused = check_batch(StepBatch(1, "decode", decode=[item]), HYBRID, live)
+    assert reason in refused["r"], refused

@@ -59,8 +59,9 @@ def check(argv: list[str], out: TextIO | None = None) -> int:
         described = _description(plan, config.workers[0].address if config and config.workers else "")
         max_model_len, judged = _serving_problems(config, described)
         problems += judged
-        plan.lines += _kv_budget_lines(described, max_model_len, control.max_num_batched_tokens,
-                                       control.max_num_seqs)
+        # The longest chunk the scheduler plans (serving_plan: at least a block).
+        chunk = max(control.max_num_batched_tokens, plan.block_size)
+        plan.lines += _kv_budget_lines(described, max_model_len, chunk, control.max_num_seqs)
         problems += [(True, f"gateway: {p}") for p in _gateway_problems(gateway, str(plan.model_path), max_model_len)]
 
     print("ttserve check: the plan (no device opened, no weights read)", file=out)

@@ -7,8 +7,8 @@ from typing import Any
 
 from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
 
-__all__ = ["DecodeItem", "Description", "GroupBlocks", "HostSampling", "ImageInput", "NewRequest", "PrefillChunk", "ServingConfig",
-           "StepBatch", "StepResult", "TokenLogprobs"]
+__all__ = ["DecodeItem", "Description", "GroupBlocks", "HostSampling", "ImageInput", "NewRequest", "PrefillChunk",
+           "ServingConfig", "StepBatch", "StepResult", "TokenLogprobs"]
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ nothing to share a pool with, and the window saves no blocks a full group would 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -44,7 +45,7 @@ class KvGroups:
         """The KV buffer each layer writes: its position within its group."""
         return self._per_layer(lambda group, position: position)
 
-    def _per_layer(self, pick) -> tuple[int, ...]:
+    def _per_layer(self, pick: Callable[[int, int], int]) -> tuple[int, ...]:
         out = {layer: pick(g, i) for g, layers in enumerate(self.layers) for i, layer in enumerate(layers)}
         return tuple(out[layer] for layer in range(len(out)))
 
@@ -70,20 +71,3 @@ def group_layers(layer_windows: list[int]) -> KvGroups:
             windows.append(window)
             layers.append(tuple(members[start:start + size]))
     return KvGroups(tuple(windows), tuple(layers))
-
-
-def layer_windows(hf_config: dict) -> list[int]:
-    """Each layer's sliding window from a checkpoint's config (`layer_types`, the Hugging Face
-    convention of every hybrid-attention family, as tt-metal's `HybridAttentionForCausalLM.
-    get_kv_cache_spec` reads it; `sliding_window` the window): 0 for a full attention layer."""
-    window = int(hf_config.get("sliding_window") or 0)
-    num_layers = int(hf_config["num_hidden_layers"])
-    types = hf_config.get("layer_types") or []
-    pattern = hf_config.get("sliding_window_pattern") or hf_config.get("_sliding_window_pattern")
-    if not types and pattern:  # Gemma 3 configs before layer_types: every pattern-th layer global
-        types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
-    if not types or not window:
-        return [0] * num_layers
-    if len(types) != num_layers:
-        raise ValueError(f"config.json's layer_types names {len(types)} layers, num_hidden_layers is {num_layers}")
-    return [window if kind == "sliding_attention" else 0 for kind in types]

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .batch import (DecodeItem, GroupBlocks, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig, StepBatch, StepResult,
-                    TokenLogprobs)
+from .batch import (DecodeItem, GroupBlocks, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig,
+                    StepBatch, StepResult, TokenLogprobs)
 from .device import DeviceBackend, PendingDecode, Progress
-from .kv_groups import KvGroups, group_layers, layer_windows, uniform
+from .kv_groups import KvGroups, group_layers, uniform
 from .planning.options import async_decode_allowed, device_sampling, trace_flags
 from .planning.registry import mixture_of_experts
 from .sampling import SamplingBatch, draws, gather_logprobs, sample, seeded_generator
@@ -273,7 +273,7 @@ class ModelRunner:
         self._page_table = self._page_tables[0]
         self._group_of_layer = groups.group_of_layer if groups.hybrid else None
         self._limits = Limits(config.num_lanes, config.max_num_seqs, layout.num_blocks_per_lane, self.block_size,
-                              config.max_model_len, width, self.vocab_size, groups.num_groups)
+                              config.max_model_len, width, self.vocab_size, groups.windows)
         self.config = config
 
     @property
@@ -304,12 +304,13 @@ class ModelRunner:
 
     @functools.cached_property
     def kv_groups(self) -> KvGroups:
-        """The layers' KV groups: hybrid where the class reads a page table per layer and the
-        checkpoint mixes sliding-window and full-attention layers (worker/kv_groups.py)."""
+        """The layers' KV groups: hybrid where the class reads a page table per layer and its
+        attention mixes sliding-window and full-attention layers (the class says which layer
+        slides how far: `kv_layer_windows`, the mask its forward applies; worker/kv_groups.py)."""
         num_layers = int(self.hf_config["num_hidden_layers"])
         if not self.backend.hybrid_kv_cache(self.model_cls):
             return uniform(num_layers)
-        return group_layers(layer_windows(self.hf_config))
+        return group_layers(self.model_cls.kv_layer_windows(self.hf_config))
 
     def kv_layout(self, config: ServingConfig) -> KvLayout:
         """The KV cache `config` gets: blocks per lane and what each holds (also `ttserve check`'s,
@@ -452,13 +453,17 @@ class ModelRunner:
             self._page_table[state.row, first:first + len(new_block_ids)] = torch.tensor(
                 new_block_ids, dtype=torch.int32) + self._null_blocks
         for g, blocks in enumerate(groups, start=1):
-            table, first = self._page_tables[g, state.row], state.group_lengths[g - 1]
+            table = self._page_tables[g, state.row]
+            # New blocks follow the entries so far and the skipped ones (a prefix hit's first
+            # chunk skips entries the table never had: device.proto GroupBlocks).
+            first = max(state.group_lengths[g - 1], blocks.num_skipped_blocks)
             if blocks.new_block_ids:
                 table[first:first + len(blocks.new_block_ids)] = torch.tensor(
                     blocks.new_block_ids, dtype=torch.int32) + self._null_blocks
             state.group_lengths[g - 1] = first + len(blocks.new_block_ids)
             # Out of the window: freed, maybe another request's by now. Device block 0 (the null
-            # block, where there is one): never written through this row, read only masked.
+            # block, where there is one): never written through this row (step_check bounds the
+            # skipped entries by the item's window), read only masked.
             table[:blocks.num_skipped_blocks] = 0
         return state
 

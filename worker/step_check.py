@@ -1,8 +1,10 @@
 """Validation of every step item before it reaches the model: a bad item (a row outside its lane
 or held by another request, a block id outside the lane's KV cache, a position no block covers, a
-token id outside the vocabulary, a request twice in one step, a sampling value out of range) is
-refused with a message and dropped from the batch, failing only its request; the rest of the
-step runs. Nothing is clamped: a clamped block id writes another request's KV.
+token id outside the vocabulary, a request twice in one step, a sampling value out of range; with
+hybrid KV groups, a later group's table out of step with the first's or skipping a block the
+item's window still reads) is refused with a message and dropped from the batch, failing only its
+request; the rest of the step runs. Nothing is clamped: a clamped block id writes another
+request's KV.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ class Limits:
     max_model_len: int
     page_table_width: int        # blocks a request may hold
     vocab_size: int
-    num_groups: int = 1          # KV groups (worker/kv_groups.py): items carry num_groups - 1 GroupBlocks
+    # Per KV group, its sliding window (0: full attention; worker/kv_groups.py): items carry a
+    # GroupBlocks for each group past the first.
+    windows: tuple[int, ...] = (0,)
 
 
 class Held(Protocol):
@@ -75,7 +79,7 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
             continue
         blocks, prompt = held[item.request_id]
         problem = _item_problem(item, limits, blocks, prompt)
-        if not problem and (item.groups or limits.num_groups > 1):
+        if not problem and (item.groups or len(limits.windows) > 1):
             # A request has one item per step (a second is refused above): its tables before it.
             lengths = [] if item.request_id in added else live[item.request_id].group_lengths
             problem = _groups_problem(item, limits, blocks + len(item.new_block_ids), lengths)
@@ -94,21 +98,26 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
 
 def _groups_problem(item: PrefillChunk | DecodeItem, limits: Limits, length: int, lengths: list[int]) -> str | None:
     """Every later KV group's table keeps as many entries as the first's (`length` after this
-    item), its ids inside the lane, its skipped entries within it. `lengths`: the tables'
-    entries before the item (empty: none yet)."""
-    if len(item.groups) != limits.num_groups - 1:
-        return (f"carries blocks of {len(item.groups) + 1} KV group(s); this worker's model has "
-                f"{limits.num_groups}")
+    item), its ids inside the lane, and skips no block the item reads: its first position p reads
+    from p - W + 1 on. `lengths`: the tables' entries before the item (empty: none yet)."""
+    groups = len(limits.windows)
+    if len(item.groups) != groups - 1:
+        return f"carries blocks of {len(item.groups) + 1} KV group(s); this worker's model has {groups}"
+    first = item.start_pos if isinstance(item, PrefillChunk) else item.position
     for g, blocks in enumerate(item.groups, start=1):
         bad = [b for b in blocks.new_block_ids if not 0 <= b < limits.num_blocks_per_lane]
         if bad:
             return (f"KV group {g}: block id(s) {', '.join(map(str, bad[:4]))} outside the lane's KV cache "
                     f"(0..{limits.num_blocks_per_lane - 1})")
-        entries = (lengths[g - 1] if lengths else 0) + len(blocks.new_block_ids)
+        before = lengths[g - 1] if lengths else 0
+        entries = max(before, blocks.num_skipped_blocks) + len(blocks.new_block_ids)
         if entries != length:
             return f"KV group {g}: its table would have {entries} entries, the first group's {length}"
-        if blocks.num_skipped_blocks > entries:
-            return f"KV group {g}: {blocks.num_skipped_blocks} skipped blocks, more than its {entries} entries"
+        window = limits.windows[g]
+        readable = max(0, first - window + 1) // limits.block_size if window else 0
+        if blocks.num_skipped_blocks > readable:
+            return (f"KV group {g}: {blocks.num_skipped_blocks} skipped blocks, but position {first} reads from "
+                    f"block {readable} on (window {window or 'all'})")
     return None
 
 

@@ -1,13 +1,15 @@
 """The one place the worker converts between protobuf and its domain objects."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import ttserve
 from ttserve.protocol import PROTOCOL_VERSION
 from ttserve.tensor_wire import tensor_from_pb
 from ttserve.v1 import device_pb2, multimodal_pb2
 
-from .batch import (DecodeItem, Description, GroupBlocks, HostSampling, ImageInput, NewRequest, PrefillChunk, ServingConfig,
-                    StepBatch, StepResult)
+from .batch import (DecodeItem, Description, GroupBlocks, HostSampling, ImageInput, NewRequest, PrefillChunk,
+                    ServingConfig, StepBatch, StepResult)
 
 _KIND = {device_pb2.STEP_KIND_EMPTY: "empty", device_pb2.STEP_KIND_PREFILL: "prefill",
          device_pb2.STEP_KIND_DECODE: "decode"}
@@ -32,7 +34,7 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
         async_readback=b.async_readback)
 
 
-def _groups(groups) -> list[GroupBlocks]:
+def _groups(groups: Iterable[device_pb2.GroupBlocks]) -> list[GroupBlocks]:
     return [GroupBlocks(list(g.new_block_ids), g.num_skipped_blocks) for g in groups]
 
 

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from .linear import Linear, SwiGLU
 from .llama import (CheckpointError, LlamaShape, TorchLlamaForCausalLM, _Checkpoint, _Layer, rope_tables,
-                    _Step, contract_config)
+                    _Step, _windows, contract_config)
 from .paged_kv import KVCache
 
 # transformers' Gemma3TextConfig.default_theta: RoPE bases when a config names none.
@@ -216,6 +216,11 @@ class TorchGemma3ForCausalLM(TorchLlamaForCausalLM):
         config = contract_config(hf_config, max_batch_size, max_seq_len, tt_data_parallel)
         return cls(Gemma3Shape.from_config(config), _Checkpoint(Path(model_path)), torch.device(mesh_device),
                    dtype, max_batch_size, max_seq_len, tt_data_parallel)
+
+    @classmethod
+    def kv_layer_windows(cls, hf_config: Mapping[str, Any]) -> list[int]:
+        """As llama.py's, from Gemma 3's layer types (older configs: sliding_window_pattern)."""
+        return _windows(Gemma3Shape.from_config(dict(hf_config)))
 
     def _load(self, state: Mapping[str, torch.Tensor]) -> None:
         """Llama's tensors (same names), then Gemma's view of them and its MLP norms."""

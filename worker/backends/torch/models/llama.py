@@ -134,6 +134,10 @@ def _sliding_window(config: dict[str, Any], layers: int) -> dict[str, Any]:
     return {"sliding_window": int(window), "sliding_layers": per_layer}
 
 
+def _windows(shape: LlamaShape) -> list[int]:
+    return [(shape.sliding_window or 0) if sliding else 0 for sliding in shape.sliding_layers]
+
+
 def rope_tables(shape: LlamaShape, max_seq_len: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_seq_len, head_dim] of `shape`'s RoPE, and its float32 angles
@@ -300,6 +304,13 @@ class TorchLlamaForCausalLM:
         state = _Checkpoint(Path(model_path))
         return cls(shape, state, torch.device(mesh_device), dtype, max_batch_size, max_seq_len,
                    tt_data_parallel)
+
+    @classmethod
+    def kv_layer_windows(cls, hf_config: Mapping[str, Any]) -> list[int]:
+        """Each layer's sliding window as this class's attention masks it (0: every position):
+        what the worker's KV cache groups are made of (worker/kv_groups.py), so a sliding
+        group's blocks go only where the mask no longer reads."""
+        return _windows(LlamaShape.from_config(dict(hf_config)))
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
         missing = [name for i in range(self.shape.num_layers) for name in
