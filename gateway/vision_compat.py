@@ -87,7 +87,10 @@ def _qwen2_5_vl_class() -> type:
             return self.ctx.get_hf_processor(ImagesOnlyQwen2_5_VLProcessor, **kwargs)
 
         def get_supported_mm_limits(self):
-            return {"image": None}  # images only, as tt-metal's processing info (no video)
+            # Images only, no video, as tt-metal's TT_Qwen2_5_VLProcessingInfo (models/demos/qwen25_vl/
+            # tt/generator_vllm.py, index ids 6796379906 / 35730477561: {"image": 1, "video": 0}).
+            # tt-metal also limits a prompt to one image; ttserve does not (None: no limit): noted.
+            return {"image": None}
 
     @MULTIMODAL_REGISTRY.register_processor(qwen2_5_vl.Qwen2_5_VLMultiModalProcessor,
                                             info=ImagesOnlyProcessingInfo,

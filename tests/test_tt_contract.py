@@ -299,12 +299,15 @@ def test_a_galaxy_gets_its_lane_count_as_tt_data_parallel_and_every_row(tt_metal
 
 # ---- the KV budget: get_max_tokens_all_users plus headroom --------------------------------------
 
-@pytest.mark.parametrize("name, tokens", [("Llama-3.1-8B-Instruct", 32_768), ("Llama-3.2-1B", 131_072)])
-def test_the_kv_cache_is_sized_by_the_model_not_a_fixed_131072(tt_metal, no_hf_model, tmp_path, name, tokens):
+# Llama 3.1 8B on N150 at its own 32768 limit (the class refuses more there, see below).
+@pytest.mark.parametrize("name, max_model_len, tokens", [("Llama-3.1-8B-Instruct", 32_768, 32_768),
+                                                         ("Llama-3.2-1B", 131_072, 131_072)])
+def test_the_kv_cache_is_sized_by_the_model_not_a_fixed_131072(tt_metal, no_hf_model, tmp_path, name, max_model_len,
+                                                               tokens):
     runner, ttnn = tree_runner(checkpoint(tmp_path, name), "models.tt_transformers.tt.generator_vllm:LlamaForCausalLM",
                                "N150")
     ttnn.recorder.calls.clear()
-    warm(runner, max_num_seqs=2, max_model_len=131072)
+    warm(runner, max_num_seqs=2, max_model_len=max_model_len)
     # The model's budget is what the device holds; block 0 of it takes the padding (NULL).
     assert runner.layout.num_blocks_per_lane == (tokens + 64 * 2) // 64 - NULL
     assert ttnn.recorder.only("model.allocate_kv_cache")[0]["kv_cache_shape"][0] == (tokens + 64 * 2) // 64
@@ -312,12 +315,59 @@ def test_the_kv_cache_is_sized_by_the_model_not_a_fixed_131072(tt_metal, no_hf_m
 
 def test_the_check_states_the_kv_budget_and_where_it_comes_from(tt_metal, no_hf_model, tmp_path):
     plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(checkpoint(tmp_path))),
-                       {"MESH_DEVICE": "N150"}, serving=Serving(max_num_seqs=32), need_hardware=False,
-                       probe=lambda: ChipProbe(False, "no Tenstorrent chips detected on this host"))
+                       {"MESH_DEVICE": "N150"}, serving=Serving(max_num_seqs=32, max_model_len=32768),
+                       need_hardware=False, probe=lambda: ChipProbe(False, "no Tenstorrent chips detected on this host"))
     assert not plan.fatal, plan.fatal
     assert any("34816 tokens per lane = 32768 (LlamaForCausalLM.get_max_tokens_all_users" in line
                for line in plan.lines), plan.lines
     assert "plan not verified against hardware: no Tenstorrent chips detected on this host" in plan.warnings
+
+
+# ---- Llama 3.1 8B / 3.2 11B on one Wormhole device: at most 32768 tokens ---------------------------
+
+LLAMA = "models.tt_transformers.tt.generator_vllm:LlamaForCausalLM"
+
+
+def test_the_llama_fake_refuses_over_32768_on_one_wormhole_device_as_tt_metal_does(tt_metal, monkeypatch):
+    from types import SimpleNamespace
+
+    from fakes.fake_ttnn import FakeMesh
+    from models.tt_transformers.tt.generator import TTNN
+    from models.tt_transformers.tt.generator_vllm import LlamaForCausalLM
+    monkeypatch.setenv("HF_MODEL", "/weights/Llama-3.1-8B-Instruct")
+    for name in ("/weights/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-11B-Vision-Instruct"):
+        with pytest.raises(ValueError, match="do not support max_model_len greater than 32768 on N150"):
+            LlamaForCausalLM.initialize_vllm_model(SimpleNamespace(_name_or_path=name),
+                                                   FakeMesh(TTNN.recorder, "mesh", 1), 32, 32769)
+        assert LlamaForCausalLM.initialize_vllm_model(SimpleNamespace(_name_or_path=name),
+                                                      FakeMesh(TTNN.recorder, "mesh", 1), 32, 32768)
+        assert LlamaForCausalLM.initialize_vllm_model(SimpleNamespace(_name_or_path=name),  # N300: the whole mesh
+                                                      FakeMesh(TTNN.recorder, "mesh", 2), 32, 131072)
+    assert LlamaForCausalLM.initialize_vllm_model(SimpleNamespace(_name_or_path="/weights/Llama-3.2-1B"),
+                                                  FakeMesh(TTNN.recorder, "mesh", 1), 32, 131072)
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B-Instruct", "Llama-3.2-11B-Vision-Instruct"])
+def test_llama_8b_and_11b_over_32768_on_n150_are_refused_in_the_plan(tt_metal, no_hf_model, tmp_path, name):
+    folder = checkpoint(tmp_path, name)  # max_position_embeddings 131072: the control plane's default
+    plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(folder)), {"MESH_DEVICE": "N150"},
+                       serving=Serving(max_num_seqs=32), probe=lambda: chips())
+    [problem] = [p for p in plan.fatal if "max_model_len 131072" in p]
+    assert "on one Wormhole device (MESH_DEVICE=N150" in problem and "--max-model-len 32768" in problem
+    assert "bigger mesh" in problem
+    for mesh, serving in (("N150", Serving(max_num_seqs=32, max_model_len=32768)),
+                          ("N300", Serving(max_num_seqs=32)), ("P150", Serving(max_num_seqs=32))):
+        plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(folder)), {"MESH_DEVICE": mesh},
+                           serving=serving, need_hardware=False, probe=lambda: ChipProbe(False, "no chips"))
+        assert not any("max_model_len" in p for p in plan.fatal), (mesh, plan.fatal)
+
+
+def test_llama_8b_over_32768_on_n150_is_refused_before_the_mesh_opens(tt_metal, no_hf_model, tmp_path):
+    runner, ttnn = tree_runner(checkpoint(tmp_path), LLAMA, "N150")
+    with pytest.raises(ValueError, match="pass --max-model-len 32768 .*or serve on a bigger mesh"):
+        warm(runner, max_model_len=65536)
+    assert "ttnn.open_mesh_device" not in ttnn.recorder.names()
+    assert not ttnn.recorder.only("model.initialize_vllm_model")
 
 
 # ---- prefill rows carry the real tokens: the generator floors resume offsets -------------------
@@ -648,7 +698,7 @@ def test_check_refuses_a_galaxy_lane_count_other_than_4(tmp_path, check_here, la
 def test_check_prints_the_plan_of_a_good_configuration_and_passes_without_chips(tmp_path, check_here):
     done = check_here("--backend", "ttnn", "--model", str(checkpoint(tmp_path)),
                       "--additional-config.tt.sample_on_device_mode", "all", "--max-num-seqs", "32",
-                      env={"MESH_DEVICE": "N150"})
+                      "--max-model-len", "32768", env={"MESH_DEVICE": "N150"})
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     for expected in ("mesh:", "N150 1x1", "TTLlamaForCausalLM (tt_transformers)", "HF_MODEL=", "(set from --model)",

@@ -3,7 +3,8 @@
 Mistral3): images reach prefill_forward as the TT plugin's model runner passes them
 (pixel_values and image_grid_thw per prefill user, None for a text-only one), mRoPE classes
 return rope_deltas and get them back by row at every decode, and the classes whose prefill
-takes PIL images with a cross-attention page table are refused before a device opens."""
+takes its images in another form (Mllama's cross-attention prefill, Mistral3's `images`) are
+refused before a device opens."""
 from __future__ import annotations
 
 import json
@@ -109,13 +110,59 @@ def test_qwen3_vl_prefills_one_user_per_step(tt_metal, tmp_path):
     assert qwen25.max_prefill_batch_size == 2
 
 
-def test_gemma3_gets_pixel_values_per_user(tt_metal, tmp_path, monkeypatch):
+def test_qwen3_vl_decodes_sampled_on_the_host_without_reset_batch(tt_metal, tmp_path):
+    """tt-metal's Qwen3-VL decode_forward(*args, **kwargs) forwards to a decode that takes no
+    reset_batch: a host-sampled decode (it declares no device sampling) is sent none, also when
+    requests come and go."""
+    runner, ttnn = runner_for(vision_checkpoint(tmp_path, "Qwen3VLForConditionalGeneration"), QWEN3)
+    a = runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)], prefill=[
+        PrefillChunk("a", [5, IMAGE, IMAGE, IMAGE, IMAGE, 6], 0, [3], True, images=[image(1)])]))
+    d = runner.execute(StepBatch(2, "decode", decode=[DecodeItem("a", a.tokens["a"], 6, [])]))
+    b = runner.execute(StepBatch(3, "prefill", new_requests=[greedy("b", 1)],
+                                 prefill=[PrefillChunk("b", [5, 6], 0, [4], True)]))
+    runner.execute(StepBatch(4, "decode", decode=[DecodeItem("a", d.tokens["a"], 7, []),
+                                                  DecodeItem("b", b.tokens["b"], 2, [])]))
+    runner.execute(StepBatch(5, "decode", released_ids=["a"], decode=[DecodeItem("b", 9, 3, [])]))
+    calls = ttnn.recorder.only("model.decode_forward")
+    assert len(calls) == 3 and all(c["sampling_params"] is None and c["reset_batch"] is None for c in calls)
+    # and the fake refuses reset_batch, as the real class's forwarded call does
+    with pytest.raises(TypeError, match="reset_batch"):
+        runner.model.decode_forward(tokens=torch.zeros(2, 1, dtype=torch.long), start_pos=torch.tensor([3, -1]),
+                                    page_table=torch.zeros(2, 1, dtype=torch.int32), kv_cache=None,
+                                    reset_batch=True)
+
+
+GEMMA3 = "models.tt_transformers.tt.generator_vllm:Gemma3ForConditionalGeneration"
+
+
+def gemma3_checkpoint(tmp_path: Path, monkeypatch) -> Path:
     folder = vision_checkpoint(tmp_path, "Gemma3ForConditionalGeneration")
     monkeypatch.setenv("HF_MODEL", str(folder))  # tt_transformers' ModelArgs reads it
     config = json.loads((folder / "config.json").read_text())
     config["text_config"].pop("rope_parameters")  # Gemma 3: no mRoPE
     (folder / "config.json").write_text(json.dumps(config))
-    runner, ttnn = runner_for(folder, "models.tt_transformers.tt.generator_vllm:Gemma3ForConditionalGeneration")
+    return folder
+
+
+def test_gemma3_is_served_as_tt_metals_hybrid_attention_class(tt_metal, tmp_path, monkeypatch):
+    """tt-metal's Gemma3 (the version with HybridAttentionForCausalLM): hybrid KV cache groups off,
+    per-layer KV allocation, async decode and device sampling declared."""
+    from models.tt_transformers.tt.generator_vllm import Gemma3ForConditionalGeneration, HybridAttentionForCausalLM
+    assert issubclass(Gemma3ForConditionalGeneration, HybridAttentionForCausalLM)
+    assert Gemma3ForConditionalGeneration._HYBRID_KV_CACHE_GROUPS_ENABLED is False
+    runner, ttnn = runner_for(gemma3_checkpoint(tmp_path, monkeypatch), GEMMA3, sample_on_device_mode="all")
+    assert runner.async_decode and runner.backend.resident_tokens
+    [allocated] = ttnn.recorder.only("model.allocate_kv_cache_per_layer")
+    assert [tensor for _, _, tensor in allocated["specs"]] == [0, 1]  # a buffer per layer, one page table
+    first = runner.execute(StepBatch(1, "prefill", new_requests=[greedy("a", 0)],
+                                     prefill=[PrefillChunk("a", [5, 6, 7], 0, [3], True)]))
+    runner.execute(StepBatch(2, "decode", decode=[DecodeItem("a", first.tokens["a"], 3, [])]))
+    call = ttnn.recorder.only("model.decode_forward")[-1]
+    assert call["sampling_params"] is not None and call["reset_batch"] is True
+
+
+def test_gemma3_gets_pixel_values_per_user(tt_metal, tmp_path, monkeypatch):
+    runner, ttnn = runner_for(gemma3_checkpoint(tmp_path, monkeypatch), GEMMA3)
     assert not runner.uses_mrope
     sent = image(1)
     pixels = sent.data["pixel_values"].clone()  # the worker drops them once they are in the KV cache
@@ -124,15 +171,32 @@ def test_gemma3_gets_pixel_values_per_user(tt_metal, tmp_path, monkeypatch):
     [call] = ttnn.recorder.only("model.vision_prefill")
     assert len(call["pixel_values"]) == 1 and len(call["pixel_values"][0]) == 1
     assert torch.equal(call["pixel_values"][0][0], pixels)
+    # tt-metal's Gemma3 (a HybridAttentionForCausalLM) passes image_grid_thw on with the pixels
+    assert [g.tolist() for g in call["image_grid_thw"][0]] == [[1, 4, 4]]
 
 
-@pytest.mark.parametrize("arch", ["MllamaForConditionalGeneration", "Mistral3ForConditionalGeneration"])
-def test_cross_attention_vision_classes_are_refused_before_the_device_opens(tt_metal, tmp_path, arch):
+@pytest.mark.parametrize("arch, why", [
+    ("MllamaForConditionalGeneration", "takes PIL images and a cross-attention page table"),
+    ("Mistral3ForConditionalGeneration", "reads its images from prefill_forward's `images`")])
+def test_vision_classes_that_take_other_images_are_refused_before_the_device_opens(tt_metal, tmp_path, arch, why):
     from ttserve.worker.planning.preflight import plan_worker
     folder = vision_checkpoint(tmp_path, arch)
     plan = plan_worker(worker_args("--backend", "ttnn", "--model", str(folder)), {"HF_MODEL": str(folder)},
                        probe=lambda: chips())
-    assert any("cross-attention page table" in p and "pixel_values" in p for p in plan.fatal), plan.problems
+    assert any(why in p and "serve a model that takes pixel_values" in p for p in plan.fatal), plan.problems
+
+
+def test_mistral3_is_decoder_only_and_drops_the_pixel_values_the_plugin_sends(tt_metal, monkeypatch):
+    """Why Mistral3 stays refused: its prefill reads only `images`, never pixel_values."""
+    from fakes.fake_ttnn import FakeMesh
+    from models.tt_transformers.tt.generator import TTNN
+    from models.tt_transformers.tt.generator_vllm import Mistral3ForConditionalGeneration
+    model = Mistral3ForConditionalGeneration.initialize_vllm_model(None, FakeMesh(TTNN.recorder, "mesh", 1), 1)
+    model.prefill_forward(tokens=torch.tensor([[5, IMAGE, IMAGE, 6]]), page_table=torch.tensor([[1]]),
+                          kv_cache=None, prompt_lens=[4], pixel_values=[[torch.randn(16, PATCH_ROW)]],
+                          image_grid_thw=[[torch.tensor([1, 4, 4])]])
+    assert TTNN.recorder.only("model.mistral3_prefill")[-1] == {"pixel_values": None,
+                                                                "dropped": ["image_grid_thw", "pixel_values"]}
 
 
 def test_the_worker_keeps_only_the_grid_of_an_image_in_the_kv_cache(tt_metal, tmp_path):

@@ -322,15 +322,15 @@ def test_async_decode_launches_reads_asynchronously_then_syncs_every_event_befor
     call = ttnn.recorder.only("model.decode_forward")[0]
     assert (call["tokens"], call["start_pos"], call["enable_trace"], call["read_from_device"],
             call["sampling_params"], call["reset_batch"]) == ([5, 9, 0, 0], [3, 7, -1, -1], True, False, params, True)
+    # one read event per data-parallel group: one here (tt-metal's Generator.read_decode_output)
     assert sequence(ttnn.recorder) == [("model.decode_forward", (True, "host")), ("model.read_decode_output", True),
-                                       ("ttnn.record_event", 1), ("ttnn.record_event", 2)]
+                                       ("ttnn.record_event", 1)]
     assert backend.decodes_in_flight == 1 and pending.is_tokens
     ttnn.recorder.calls.clear()
     tokens = backend.finish_decode(model, pending).reshape(-1).tolist()
     # (tokens, log-probs) from the model: the tokens alone come back
     assert tokens == [next_token(5, 3, 64), next_token(9, 7, 64), 0, 0]
-    assert sequence(ttnn.recorder) == [("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2),
-                                       ("model.process_decode_output_host", True)]
+    assert sequence(ttnn.recorder) == [("ttnn.event_synchronize", 1), ("model.process_decode_output_host", True)]
     assert backend.decodes_in_flight == 0
 
 
@@ -353,7 +353,7 @@ def test_a_decode_read_back_early_is_processed_once(monkeypatch):
     assert backend.finish_decode(model, pending) is early
     # a second readback of one submission would corrupt it (the plugin's DeferredDecodeOutput)
     assert [n for n, _ in ttnn.recorder.calls].count("model.process_decode_output_host") == 1
-    assert [d["event"] for d in ttnn.recorder.only("ttnn.event_synchronize")] == [1, 2]
+    assert [d["event"] for d in ttnn.recorder.only("ttnn.event_synchronize")] == [1]
     backend.finish_decode(model, second)
 
 
@@ -377,7 +377,39 @@ def test_reset_batch_reaches_only_a_model_that_takes_it():
     backend.reset()
     older = make_model_class(ttnn, takes_reset_batch=False)(backend.mesh, ROWS)
     backend.finish_decode(older, backend.launch_decode(older, greedy(), **step()))
-    assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is False  # not passed: its default
+    assert ttnn.recorder.only("model.decode_forward")[-1]["reset_batch"] is None  # not passed
+
+
+def test_a_host_sampled_decode_of_a_legacy_generator_is_never_sent_reset_batch(monkeypatch):
+    # The plugin sends reset_batch only with device sampling (async_decode.py submit_decode); a
+    # decode_forward(*args, **kwargs) that forwards to a decode without it (tt-metal's Qwen3-VL)
+    # would raise TypeError on it. Rows placed, kept and freed: none of these decodes gets one.
+    backend, ttnn, _ = opened_backend(sample_on_device_mode="all")
+    older = make_model_class(ttnn, takes_reset_batch=False)
+
+    class Forwarding(older):
+        def decode_forward(self, *args, **kwargs):
+            return super().decode_forward(*args, **kwargs)
+
+    model = Forwarding(backend.mesh, ROWS)
+    for positions in ((3, 7, -1, -1), (4, 8, -1, -1), (5, -1, -1, -1), (6, -1, 2, -1)):
+        backend.finish_decode(model, backend.launch_decode(model, None, **step(positions=positions)))
+    calls = ttnn.recorder.only("model.decode_forward")
+    assert [(c["reset_batch"], c["inputs"]) for c in calls] == [(None, "host")] * 4
+    # the same generator, sampled on the device, is sent it (and refuses it, as the real one would)
+    with pytest.raises(TypeError, match="reset_batch"):
+        backend.launch_decode(model, greedy(), **step())
+
+
+def test_each_data_parallel_group_records_one_read_event_and_all_are_waited_for(monkeypatch):
+    backend, ttnn, model_cls = opened_backend(sample_on_device_mode="all")
+    model = initialize(backend, model_cls, monkeypatch, num_lanes=2, max_num_seqs=2)
+    ttnn.recorder.calls.clear()
+    pending = backend.launch_decode(model, greedy(), **step())
+    assert [d["event"] for d in ttnn.recorder.only("ttnn.record_event")] == [1, 2]
+    backend.finish_decode(model, pending)
+    assert sequence(ttnn.recorder)[-3:] == [("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2),
+                                            ("model.process_decode_output_host", True)]
 
 
 @pytest.mark.parametrize("trace_mode, model, keeps", [
@@ -429,10 +461,8 @@ def test_a_pipelined_pair_runs_the_second_step_on_the_tokens_the_first_left_on_t
     second = launch(backend, model, greedy(), first, [0, 1], tokens=(0, 0, 0, 0),
                     positions=(4, 8, -1, -1))
     assert sequence(ttnn.recorder) == [
-        ("model.decode_forward", (True, "host")), ("model.read_decode_output", True),
-        ("ttnn.record_event", 1), ("ttnn.record_event", 2),
-        ("model.decode_forward", (False, "device")), ("model.read_decode_output", True),
-        ("ttnn.record_event", 3), ("ttnn.record_event", 4)]
+        ("model.decode_forward", (True, "host")), ("model.read_decode_output", True), ("ttnn.record_event", 1),
+        ("model.decode_forward", (False, "device")), ("model.read_decode_output", True), ("ttnn.record_event", 2)]
     calls = ttnn.recorder.only("model.decode_forward")
     assert [c["tokens"] for c in calls] == [[5, 9, 0, 0], [0, 0, 0, 0]]
     assert [c["start_pos"] for c in calls] == [[3, 7, -1, -1], [4, 8, -1, -1]]
@@ -445,8 +475,8 @@ def test_a_pipelined_pair_runs_the_second_step_on_the_tokens_the_first_left_on_t
     assert backend.finish_decode(model, second).reshape(-1).tolist() == [
         next_token(a, 4, 64), next_token(b, 8, 64), 0, 0]
     assert sequence(ttnn.recorder) == [
-        ("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2), ("model.process_decode_output_host", True),
-        ("ttnn.event_synchronize", 3), ("ttnn.event_synchronize", 4), ("model.process_decode_output_host", True)]
+        ("ttnn.event_synchronize", 1), ("model.process_decode_output_host", True),
+        ("ttnn.event_synchronize", 2), ("model.process_decode_output_host", True)]
 
 
 def test_a_pipelined_step_that_drops_a_row_reads_the_previous_step_back_first(monkeypatch):
@@ -459,9 +489,8 @@ def test_a_pipelined_step_that_drops_a_row_reads_the_previous_step_back_first(mo
                     positions=(4, -1, -1, -1))
     a = next_token(5, 3, 64)
     assert sequence(ttnn.recorder) == [
-        ("ttnn.event_synchronize", 1), ("ttnn.event_synchronize", 2), ("model.process_decode_output_host", True),
-        ("model.decode_forward", (True, "host")), ("model.read_decode_output", True),
-        ("ttnn.record_event", 3), ("ttnn.record_event", 4)]
+        ("ttnn.event_synchronize", 1), ("model.process_decode_output_host", True),
+        ("model.decode_forward", (True, "host")), ("model.read_decode_output", True), ("ttnn.record_event", 2)]
     call = ttnn.recorder.only("model.decode_forward")[0]
     assert call["tokens"] == [a, 0, 0, 0] and call["page_table"].tolist() == [[1], [0], [0], [0]]
     ttnn.recorder.calls.clear()
@@ -500,8 +529,9 @@ def test_a_host_sampled_step_makes_the_next_device_step_upload_its_inputs(monkey
     backend.finish_decode(model, launch(backend, model, greedy()))
     backend.finish_decode(model, launch(backend, model, None, tokens=(1, 2, 0, 0), positions=(4, 8, -1, -1)))
     backend.finish_decode(model, launch(backend, model, greedy(), tokens=(3, 4, 0, 0), positions=(5, 9, -1, -1)))
+    # the host-sampled step reloads from the host without being told (None: no reset_batch passed)
     assert [(c["reset_batch"], c["inputs"]) for c in ttnn.recorder.only("model.decode_forward")] == [
-        (True, "host"), (False, "host"), (True, "host")]
+        (True, "host"), (None, "host"), (True, "host")]
 
 
 def test_untraced_decode_never_keeps_tokens_and_resets_only_when_rows_change(monkeypatch):
@@ -609,7 +639,7 @@ def test_a_legacy_untraced_switch_to_device_sampling_resets_the_batch(monkeypatc
     backend.finish_decode(model, launch(backend, model, None))
     out = backend.finish_decode(model, launch(backend, model, SEEDED, tokens=(1, 2, 0, 0), positions=(4, 8, -1, -1)))
     backend.finish_decode(model, launch(backend, model, SEEDED, tokens=(3, 4, 0, 0), positions=(5, 9, -1, -1)))
-    assert [c["reset_batch"] for c in ttnn.recorder.only("model.decode_forward")] == [True, True, False]
+    assert [c["reset_batch"] for c in ttnn.recorder.only("model.decode_forward")] == [None, True, False]
     assert out.reshape(-1).tolist()[0] == (next_token(1, 4, 64) + 1234) % 64
 
 

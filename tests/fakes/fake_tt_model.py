@@ -1,14 +1,19 @@
 """A tt-metal-style model that records how it is driven and computes deterministic tokens.
 
-Signatures follow tt-metal's Generator (models/tt_transformers/tt/generator.py) as the vLLM
-plugin calls it (vllm-tt-plugin's model runner): warmup_model_prefill(kv_cache,
-enable_trace, can_sample_on_device), guarded by `already_warmed_up_prefill`; warmup_model_decode(
-kv_cache, enable_trace, max_batch_size, num_blocks, can_sample_on_device); prefill_forward(tokens,
-page_table, kv_cache, prompt_lens, start_pos, enable_trace, sampling_params, empty_slots);
-decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace, read_from_device,
-sampling_params, reset_batch) returning device tensors unless read_from_device;
-read_decode_output(async_read=True) -> (host, events); process_decode_output_host returning
-(tokens or logits, log-probs) as newer generators do.
+Signatures follow tt-metal's Generator (models/tt_transformers/tt/generator.py, the versions
+that take `reset_batch`, as stored in the search index: ids 7625586423 and 66566430266, no commit
+named) as the vLLM plugin calls it (vllm-tt-plugin @ e3fc849, model_runner.py, async_decode.py):
+warmup_model_prefill(kv_cache, enable_trace, can_sample_on_device), guarded by
+`already_warmed_up_prefill`; warmup_model_decode(kv_cache, enable_trace, max_batch_size,
+num_blocks, can_sample_on_device); prefill_forward(tokens, page_table, kv_cache, prompt_lens,
+start_pos, enable_trace, sampling_params, empty_slots); decode_forward(tokens, start_pos,
+page_table, kv_cache, enable_trace, read_from_device, sampling_params, reset_batch) returning
+device tensors unless read_from_device (the recorded `reset_batch` is None when the caller passed
+none, which the model takes as False, the real default); read_decode_output(async_read=True) ->
+(host, events) with one event per data-parallel group (the real one records
+`ttnn.record_event(self.model[i].mesh_device, 0)` for each i in range(self.data_parallel); here
+`data_parallel` is initialize_vllm_model's tt_data_parallel, 1 for a model built directly);
+process_decode_output_host returning (tokens or logits, log-probs) as newer generators do.
 
 What it models of the device, as tt-metal's generator and model do it:
 - Tokens. The token after (token, position) is `next_token`; a row whose SamplingParams has a
@@ -132,6 +137,7 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
             self.seeds: list[int | None] | None = None   # applied at the last reset_batch
             self.block_size: int | None = None
             self.kv: dict[tuple[int, int], int] = {}      # (block id, offset) -> token
+            self.data_parallel = 1                        # one model per data-parallel submesh
 
         @classmethod
         def initialize_vllm_model(cls, hf_config: Any, mesh_device: Any, max_batch_size: int,
@@ -140,7 +146,9 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
             recorder.add("model.initialize_vllm_model", hf_config=hf_config, mesh_device=mesh_device,
                          max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          tt_data_parallel=tt_data_parallel, optimizations=optimizations)
-            return cls(mesh_device, max_batch_size)
+            model = cls(mesh_device, max_batch_size)
+            model.data_parallel = tt_data_parallel
+            return model
 
         def allocate_kv_cache(self, kv_cache_shape: tuple, dtype: Any, num_layers: int) -> list:
             recorder.add("model.allocate_kv_cache", kv_cache_shape=kv_cache_shape, dtype=dtype,
@@ -240,11 +248,11 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
         def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: Any = None,
                            kv_cache: Any = None, enable_trace: bool = True,
                            read_from_device: bool = True, sampling_params: Any = None,
-                           reset_batch: bool = False) -> Any:
+                           reset_batch: bool | None = None) -> Any:
             on_device = sampling_params is not None
             self._clamp_top_k(sampling_params, tokens.shape[0])
             inputs, source = self._decode_inputs(tokens, start_pos, page_table, enable_trace, on_device,
-                                                 reset_batch)
+                                                 bool(reset_batch))
             self._record_decode(tokens, start_pos, page_table, enable_trace, read_from_device, sampling_params,
                                 reset_batch, source)
             if on_device and reset_batch:
@@ -282,7 +290,7 @@ def make_model_class(ttnn: FakeTtnn, *, supports_async_decode: bool = True, voca
             host = FakeHostTensor(tt_out.values)
             if not async_read:
                 return host
-            return host, [ttnn.record_event(self.mesh_device, 0), ttnn.record_event(self.mesh_device, 0)]
+            return host, [ttnn.record_event(self.mesh_device, 0) for _ in range(self.data_parallel)]
 
         def process_decode_output_host(self, tt_out: FakeHostTensor, is_tokens: bool = False) -> Any:
             recorder.add("model.process_decode_output_host", is_tokens=is_tokens)

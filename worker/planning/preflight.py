@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 from ..backends.ttnn.tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment,
                                        data_parallel_problem, device_top_k, folds_dp_into_lanes, image_input_problem,
-                                       kv_budget, optimizations_problem, tt_data_parallel)
+                                       kv_budget, max_model_len_problem, optimizations_problem, tt_data_parallel)
 from .mesh import PRESETS, MeshError, MeshSpec, fabric_for, mesh_from_env, resolve_mesh
 
 # resolve_mesh's device count for a plan made without chips: any named mesh fits.
@@ -353,10 +353,14 @@ def _plan_ttnn_lanes(plan: WorkerPlan, serving: Serving, caps: Mapping[str, Any]
     if serving.enable_prefix_caching and not caps.get("supports_prefix_caching") and plan.model_cls is not None:
         plan.warn(f"--enable-prefix-caching: {family.class_name} does not support prefix caching; it is served "
                   "without it")
+    # What warmup asks for (control/serving_plan.py plan_warmup): 0 and -1 mean the model's own limit.
+    max_model_len = max(serving.max_model_len, 0) or int(plan.hf_config.get("max_position_embeddings", 2048))
+    problem = max_model_len_problem(family, plan.model_path, max_model_len, spec)
+    if problem:
+        plan.refuse(problem)
     if plan.model_cls is None:
         plan.say("kv cache", "the model's get_max_tokens_all_users (class not importable here)")
         return
-    max_model_len = serving.max_model_len or int(plan.hf_config.get("max_position_embeddings", 2048))
     try:
         budget = kv_budget(plan.model_cls, model_name=str(plan.model_path), num_devices=spec.num_devices,
                            tt_data_parallel=tt_dp, max_model_len=max_model_len,

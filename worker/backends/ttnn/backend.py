@@ -53,7 +53,11 @@ traced, device-sampled decode continuing the last one on a model that declares
 rows or the sampling mode changed), traced or not. A legacy adapter keeps the behaviour above
 whatever its capabilities, as the plugin's legacy path does (its capability only gates the
 overlap), except that an untraced switch to device sampling resets its batch here too, so the
-seeds reach the device.
+seeds reach the device. A legacy adapter is sent `reset_batch` only on a decode sampled on the
+device, as the plugin sends it (async_decode.py `submit_decode` @ e3fc849, inside
+`if perform_device_sampling`): a host-sampled decode reloads its inputs anyway, and some
+`decode_forward(*args, **kwargs)` adapters forward to a decode that takes no `reset_batch` (see
+`_decode_commands`).
 """
 from __future__ import annotations
 
@@ -76,7 +80,7 @@ from ...sampling import SamplingBatch
 from .mesh_device import close_mesh, device_errors, load_ttnn, open_mesh
 from .tt_models import (ModelFamily, apply_environment, capability_problem, checkpoint_environment,
                         data_parallel_problem, device_top_k, folds_dp_into_lanes, image_input_problem, kv_budget,
-                        kv_cache_dtype, one_prefill_user, tt_data_parallel)
+                        kv_cache_dtype, max_model_len_problem, one_prefill_user, tt_data_parallel)
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +182,7 @@ class TtnnBackend:
         assert on, and a checkpoint variable that names other weights."""
         family = self.family(model_cls)
         problem = (data_parallel_problem(family, config.num_lanes, config.max_num_seqs, self.spec)
+                   or max_model_len_problem(family, model_path, config.max_model_len, self.spec)
                    or checkpoint_environment(family, model_path, self.env).problem
                    or capability_problem(model_cls.__name__, getattr(model_cls, "model_capabilities", None) or {})
                    or image_input_problem(model_cls.__name__))
@@ -336,8 +341,9 @@ class TtnnBackend:
         device (placeholders on the host). Otherwise a previous decode still on the device is
         read back first (an early, single readback, like the plugin's drain) and the inputs
         reload from the host. Untraced or host-sampled decodes upload the host tensors anyway;
-        they get `reset_batch` only on a transition (host-sampled: only when the rows changed),
-        so device seeds are not re-applied every step. Empty rows (position -1) get a zeroed
+        an untraced device-sampled decode gets `reset_batch` only on a transition, so device
+        seeds are not re-applied every step, and a host-sampled decode of a legacy generator
+        gets no `reset_batch` at all (`_decode_commands`). Empty rows (position -1) get a zeroed
         page-table row, as in the plugin.
 
         A continuing row's explicit token is the one this device sampled (the control plane
@@ -365,8 +371,8 @@ class TtnnBackend:
             tokens[rows, 0] = self._host_tokens(model, previous)[rows].to(tokens.dtype)
         # A legacy generator's reset_batch: a traced device-sampled decode resets unless it
         # continues; an untraced one on a transition (so seeds reach the device after host
-        # sampling); a host-sampled one reloads anyway and resets when the rows changed.
-        reset = (not continues if self.trace.decode else transition) if on_device else rows_changed
+        # sampling); a host-sampled one is sent none (_decode_commands).
+        reset = (not continues if self.trace.decode else transition) if on_device else False
         table = page_table.masked_fill(~active[:, None], 0)
         table_changed = last is None or not torch.equal(table, last.page_table)
 
@@ -454,12 +460,31 @@ def _decode_commands(model: Any, reset_batch: bool, inputs_resident: bool, page_
     anyway); sampling parameters and state reload on a device-sampled `transition` (which always
     reloads the inputs too: a sampler may align its seeds to the host positions only then).
     Older generators take `reset_batch` (or not at all) and notice a changed page table themselves.
+
+    A legacy generator is sent `reset_batch` only when the decode samples on the device, as the
+    plugin does (async_decode.py `submit_decode` @ e3fc849 adds it inside `if
+    perform_device_sampling`). A host-sampled decode needs none, as read in tt_transformers'
+    generator.py (search index ids 7625586423 and 66647718705, no commit named):
+    `Generator._decode_forward_trace_text` copies the host tokens, positions and page table into
+    the trace inputs whenever `reset_inputs = reset_batch or not sampling_on_device` (the later
+    version adds `or sampling_mode_changed`); the untraced `_decode_forward_no_trace_text`
+    prepares every input from the host on each call; and the decode entry point reads
+    `reset_batch` otherwise only to reset the device sampler's seeds and penalty state, inside
+    `if sampling_params is not None` (id 7625586423 passes the trace `reset_batch=mode_switched`
+    instead, the later one `reset_batch or mode_switched`). Sending it would break a generator
+    whose `decode_forward(*args, **kwargs)` forwards to a decode without it: Qwen3-VL's
+    generator_vllm.py @ 1d1ec002 hands everything to models/demos/qwen3_vl/tt/generator.py
+    @ 5f866a08 `decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace,
+    read_from_device, sampling_params)` (a TypeError on every decode). Such an adapter declares
+    no `supports_sample_on_device`, so it is never sampled on the device here.
     """
     if _input_update_contract(type(model)) >= 1:
         sampling = transition and sampling_params is not None
         assert not sampling or not inputs_resident, "a sampling reset needs authoritative inputs"
         return {"reload_inputs": not inputs_resident, "reload_page_table": inputs_resident and page_table_changed,
                 "reload_sampling_params": sampling, "reset_sampling_state": sampling}
+    if sampling_params is None:
+        return {}
     if not _takes_reset_batch(type(model)):
         if reset_batch:
             log.debug("%s.decode_forward takes no reset_batch; its inputs reload on their own",

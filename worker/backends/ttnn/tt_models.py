@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ...planning.mesh import MeshSpec
+from ...planning.mesh import WORMHOLE, MeshSpec
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,17 @@ _LEGACY_CHECKPOINT_VARIABLE = "LLAMA_DIR"
 #   rope_deltas); decode_forward takes rope_deltas_all_users. Qwen3-VL reads the first user's
 #   entry to decide whether the batch has images ("we currently do not support mixed inputs of
 #   text-only users and text-image users"): its prefills run one user at a time.
-# - Gemma3: prefill_forward(**kwargs) -> prefill_forward_text with pixel_values per user.
-# - Mllama, Mistral3: prefill_forward(tokens, images, page_table, kv_cache, prompt_lens,
-#   cross_page_table): PIL images and a cross-attention page table, the encoder-decoder path the
-#   plugin's model runner refuses ("Encoder-decoder models aren't yet supported for TT").
+# - Gemma3: prefill_forward(**kwargs) -> prefill_forward_text with pixel_values (and
+#   image_grid_thw) per user.
+# - Mllama: prefill_forward(tokens, images, page_table, kv_cache, prompt_lens, cross_page_table):
+#   PIL images and a cross-attention page table, the encoder-decoder path the plugin's model
+#   runner refuses ("Encoder-decoder models aren't yet supported for TT").
+# - Mistral3: older tt-metal (generator_vllm.py @ 0015d62b) has Mllama's cross-attention
+#   signature; the version with HybridAttentionForCausalLM (index id 54494048887) is
+#   decoder-only, prefill_forward(*args, **kwargs) reading kwargs["tokens"], kwargs["prompt_lens"]
+#   and its images from kwargs["images"] (objects carrying pixel_values and image_sizes). Neither
+#   reads pixel_values / image_grid_thw, what ttserve and the plugin send: its images would be
+#   dropped, the prompt's image tokens prefilled as text.
 ONE_PREFILL_USER_CLASSES = ("Qwen3VLForConditionalGeneration",)
 # Classes whose generator holds one model and no submeshes, so a second lane cannot be served:
 # Qwen3-VL (models/demos/qwen3_vl/tt/generator.py: `model` is `model[0]`, "change this when
@@ -120,7 +127,17 @@ _SINGLE_LANE_WHY = {
     "Qwen36ForCausalLM": "it builds one model on the whole mesh and ignores tt_data_parallel "
                          "(models/demos/blackhole/qwen36/tt/qwen36_vllm.py)",
 }
-CROSS_ATTENTION_CLASSES = ("MllamaForConditionalGeneration", "Mistral3ForConditionalGeneration")
+# Vision classes whose prefill takes its images in a form ttserve does not send, and why.
+_TAKES_OTHER_IMAGES = {
+    "MllamaForConditionalGeneration": "takes PIL images and a cross-attention page table (tt-metal's "
+                                      "encoder-decoder prefill_forward), which ttserve does not serve, as the "
+                                      "TT plugin does not",
+    "Mistral3ForConditionalGeneration": "reads its images from prefill_forward's `images` (current tt-metal: "
+                                        "objects carrying pixel_values and image_sizes; older versions: PIL "
+                                        "images with a cross-attention page table), never the pixel_values "
+                                        "and image_grid_thw that ttserve, like the TT plugin, sends, so every "
+                                        "image would be dropped",
+}
 
 # What a tt-metal host installs for those modules: the vLLM build tt-metal's LLMs table pins,
 # built by the plugin's docs/install-vllm-tt.sh (vLLM 0.25.1, VLLM_TARGET_DEVICE=empty,
@@ -324,6 +341,32 @@ def _galaxy_lanes_problem(family: ModelFamily, num_lanes: int, spec: MeshSpec) -
     return None
 
 
+# tt_transformers' LlamaForCausalLM.initialize_vllm_model (generator_vllm.py, index id 54494048887;
+# the same at 0015d62b) raises ValueError before its model args or weights load when
+# hf_config._name_or_path contains "3.1-8B" or "3.2-11B", mesh_device.get_num_devices() == 1 and
+# is_wormhole_b0(), for a max_seq_len above 32768 ("TT-LLama8B and TT-Llama11B do not support
+# max_model_len greater than 32768 on N150"). The whole mesh counts, not a data-parallel share.
+# ttserve passes --model as _name_or_path (backend.hf_config_for), so the path is what it reads.
+_N150_LLAMA_NAMES = ("3.1-8B", "3.2-11B")
+N150_LLAMA_MAX_MODEL_LEN = 32_768
+
+
+def max_model_len_problem(family: ModelFamily, model_path: Path | str, max_model_len: int,
+                          spec: MeshSpec) -> str | None:
+    """Why the class's initialize_vllm_model would refuse `max_model_len` on this mesh, with what
+    to do."""
+    name = str(model_path)
+    if (family.class_name != "LlamaForCausalLM" or not family.module.startswith("models.tt_transformers.")
+            or not any(n in name for n in _N150_LLAMA_NAMES) or spec.num_devices != 1 or spec.arch != WORMHOLE
+            or max_model_len <= N150_LLAMA_MAX_MODEL_LEN):
+        return None
+    return (f"max_model_len {max_model_len}: {family.module}:{family.class_name} refuses Llama 3.1 8B and 3.2 11B "
+            f"above {N150_LLAMA_MAX_MODEL_LEN} tokens on one Wormhole device (MESH_DEVICE={spec.name}; tt-metal: "
+            f"\"do not support max_model_len greater than {N150_LLAMA_MAX_MODEL_LEN} on N150\"): pass "
+            f"--max-model-len {N150_LLAMA_MAX_MODEL_LEN} (or less) to the control plane, or serve on a bigger mesh "
+            "such as N300")
+
+
 def optimizations_problem(family: ModelFamily, options: Mapping[str, Any]) -> str | None:
     """The Galaxy and GPT-OSS generators assert `optimizations is None`; DeepSeek V3's takes the
     argument and ignores it (deepseek_v3/tt/generator_vllm.py @01656bf), as does Qwen 3.6's
@@ -514,10 +557,9 @@ def kv_cache_dtype(hf_config: Mapping[str, Any]) -> str:
 
 def image_input_problem(class_name: str) -> str | None:
     """A vision class whose prefill takes images in a form ttserve does not send."""
-    if class_name in CROSS_ATTENTION_CLASSES:
-        return (f"{class_name} takes PIL images and a cross-attention page table (tt-metal's "
-                "encoder-decoder prefill_forward), which ttserve does not serve, as the TT plugin does not: "
-                "serve a model that takes pixel_values (Qwen2.5-VL, Qwen3-VL, Gemma 3)")
+    why = _TAKES_OTHER_IMAGES.get(class_name)
+    if why:
+        return f"{class_name} {why}: serve a model that takes pixel_values (Qwen2.5-VL, Qwen3-VL, Gemma 3)"
     return None
 
 

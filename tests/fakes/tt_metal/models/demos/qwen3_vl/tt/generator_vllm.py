@@ -1,11 +1,19 @@
-"""Mirrors tt-metal models/demos/qwen3_vl/tt/generator_vllm.py: Qwen3VLForConditionalGeneration,
-as models/demos/qwen25_vl's class (fakes/fake_tt_vision.py), with the differences of the real
-file: enable_trace is forced off in prefill, decode takes no update contract (reset_batch), and
-a batch's images are read only when its first user has some ("we currently do not support mixed
-inputs of text-only users and text-image users"): a mixed batch is an error here, where the real
-class would crash on a None user or drop the other users' images. empty_slots is ignored: its
-generator (models/demos/qwen3_vl/tt/generator.py) prefills batch index i as user i of its one
-model.
+"""Mirrors tt-metal models/demos/qwen3_vl/tt/generator_vllm.py @ 1d1ec002 (with its base,
+models/demos/qwen3_vl/tt/generator.py @ 5f866a08): Qwen3VLForConditionalGeneration, as
+models/demos/qwen25_vl's class (fakes/fake_tt_vision.py), with the differences of the real files:
+- enable_trace is forced off in prefill;
+- decode takes no update contract and no `reset_batch`: generator_vllm's decode_forward(*args,
+  **kwargs) pops rope_deltas_all_users and hands the rest to the qwen3_vl Generator's
+  decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace, read_from_device,
+  sampling_params), so a `reset_batch` (which its **kwargs seems to accept) raises TypeError
+  there, as it does here (the fake's base is built without reset_batch);
+- a batch's images are read only when its first user has some ("we currently do not support mixed
+  inputs of text-only users and text-image users"): a mixed batch is an error here, where the real
+  class would crash on a None user or drop the other users' images;
+- empty_slots is ignored: the generator prefills batch index i as user i of its one model.
+The real class declares no model_capabilities (its Generator has no ModelCapabilitiesMixin); the
+fake's {"supports_prefix_caching": False} reads the same to ttserve (a missing key is False), and
+its mixin's get_max_tokens_all_users gives the fallback budget the real one falls back to.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from models.tt_transformers.tt.generator import TTNN
 IMAGE_TOKEN_ID = 60
 
 
-class Qwen3VLForConditionalGeneration(ModelCapabilitiesMixin, make_model_class(TTNN)):
+class Qwen3VLForConditionalGeneration(ModelCapabilitiesMixin, make_model_class(TTNN, takes_reset_batch=False)):
     model_capabilities = {"supports_prefix_caching": False}
 
     def prefill_forward(self, tokens, page_table, kv_cache, prompt_lens, enable_trace, **kwargs: Any):
