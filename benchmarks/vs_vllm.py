@@ -106,12 +106,14 @@ def _label(p: psutil.Process) -> str:
     return p.name() if len(cmd) < 2 else Path(cmd[1]).name + (" " + cmd[2] if len(cmd) > 2 else "")
 
 
-def vllm_server(model: Path, name: str, dtype: str, eager: bool, kv_bytes: int) -> Server:
+def vllm_server(model: Path, name: str, dtype: str, eager: bool, kv_bytes: int,
+                extra: list[str] | None = None) -> Server:
     cores = sorted(os.sched_getaffinity(0))
     port = free_port()
     argv = [sys.executable, str(HERE / "vllm_cli.py"), "serve", str(model), "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-            "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0"] + (["--enforce-eager"] if eager else [])
+            "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0"] + (["--enforce-eager"] if eager else []) \
+        + list(extra or [])
     return Server("vllm", argv, port, env={"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"
                                            if cores == list(range(cores[0], cores[-1] + 1))
                                            else ",".join(map(str, cores)),

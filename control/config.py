@@ -14,6 +14,7 @@ from ttserve.tls import add_arguments as add_tls_arguments
 from .engine import Engine
 from .engine_config import EngineConfig
 from .queue_bounds import DEFAULT_MAX_HELD_BYTES, DEFAULT_TENANT_SHARE, QueueBounds
+from .speculation import SpeculativeConfigError, parse_speculative_config
 from .worker_set import WorkerSetError, WorkerSpec, combine, follow_file, parse_entry, parse_file
 
 log = logging.getLogger("ttserve.control")
@@ -51,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="pipeline decode steps (two in flight) when the worker supports async "
                         "decode; default: whenever it does")
+    g.add_argument("--speculative-config", default="", metavar="JSON",
+                   help="speculative decoding, as vLLM spells it: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": b}': "
+                        "each decode row carries up to K tokens proposed from the request's own prompt "
+                        "and output (the n-gram of a..b tokens ending it, where it occurred before), "
+                        "verified by the worker in the same step; greedy output is unchanged, sampled "
+                        "output keeps its distribution (rejection sampling)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="lanes (data-parallel KV caches) per worker; --max-num-seqs is per lane")
     g.add_argument("--tokenizer", default="", metavar="PATH",
@@ -154,6 +162,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tls = grpc_server_tls(args, "control plane")
     except TlsConfigError as e:
         raise ConfigError(str(e)) from None
+    try:
+        speculative = parse_speculative_config(args.speculative_config)
+    except SpeculativeConfigError as e:
+        raise ConfigError(str(e)) from None
     return EngineConfig(workers=workers, workers_file=args.workers_file or "", tls=tls, max_num_seqs=args.max_num_seqs,
                         data_parallel_size=args.data_parallel_size,
                         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -164,7 +176,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         tokenizer=args.tokenizer, stall_timeout_s=args.stall_timeout,
                         warmup_timeout_s=args.warmup_timeout,
                         queue=QueueBounds(args.max_num_queued_reqs, args.max_held_bytes, args.tenant_queue_share),
-                        migration_limit=args.migration_limit, migration_timeout_s=args.migration_timeout)
+                        migration_limit=args.migration_limit, migration_timeout_s=args.migration_timeout,
+                        speculative=speculative)
 
 
 def run(args: argparse.Namespace) -> int:

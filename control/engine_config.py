@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ttserve.tls import PLAINTEXT, Tls
 
 from .queue_bounds import QueueBounds
+from .speculation import SpeculativeConfig
 from .worker_set import WorkerSpec
 
 
@@ -29,3 +30,4 @@ class EngineConfig:
     migration_limit: int = 3          # times a request may move off a lost worker
     migration_timeout_s: float = 120.0  # how long a migrating request may wait for a ready worker
     tls: Tls = PLAINTEXT              # served to clients and presented to workers (ttserve/tls.py)
+    speculative: SpeculativeConfig | None = None  # --speculative-config (control/speculation.py)

@@ -145,8 +145,9 @@ class LaneGroup:
 
     def update(self, plan: GroupPlan, sampled: dict[str, int],
                logprobs: dict[str, TokenLogprobs] | None = None,
-               refused: dict[str, str] | None = None) -> list[Request]:
+               refused: dict[str, str] | None = None, accepted: dict[str, int] | None = None,
+               draft_logprobs: dict[str, list[TokenLogprobs]] | None = None) -> list[Request]:
         changed: list[Request] = []
         for lane, lane_plan in zip(self.lanes, plan.lanes):
-            changed += lane.update(lane_plan, sampled, logprobs, refused)
+            changed += lane.update(lane_plan, sampled, logprobs, refused, accepted, draft_logprobs)
         return changed

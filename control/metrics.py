@@ -203,6 +203,15 @@ class _EngineState(Collector):
                                    "Prompt tokens found in the prefix cache.", labels=["worker"])
         preemptions = CounterMetricFamily("ttserve_num_preemptions",
                                           "Requests preempted (to be recomputed).", labels=["worker"])
+        drafts = CounterMetricFamily("ttserve_spec_decode_num_drafts",
+                                     "Decode rows that carried speculative draft tokens.", labels=["worker"])
+        draft_tokens = CounterMetricFamily("ttserve_spec_decode_num_draft_tokens",
+                                           "Speculative draft tokens proposed.", labels=["worker"])
+        accepted = CounterMetricFamily("ttserve_spec_decode_num_accepted_tokens",
+                                       "Speculative draft tokens the model accepted.", labels=["worker"])
+        per_position = CounterMetricFamily("ttserve_spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted at each position of a row's drafts (0: the "
+                                           "first).", labels=["worker", "position"])
         up = GaugeMetricFamily("ttserve_worker_up",
                                "1 while the control plane holds a connection to the worker.",
                                labels=["worker"])
@@ -228,6 +237,11 @@ class _EngineState(Collector):
             queries.add_metric([w], totals.prefix_query_tokens)
             hits.add_metric([w], totals.prefix_hit_tokens)
             preemptions.add_metric([w], totals.preemptions)
+            drafts.add_metric([w], totals.spec.drafts)
+            draft_tokens.add_metric([w], totals.spec.draft_tokens)
+            accepted.add_metric([w], totals.spec.accepted_tokens)
+            for position, count in enumerate(totals.spec.accepted_per_position):
+                per_position.add_metric([w, str(position)], count)
             up.add_metric([w], float(g.connected))
             ready.add_metric([w], float(g.ready))
             stalled.add_metric([w], float(g.stalled))
@@ -236,4 +250,5 @@ class _EngineState(Collector):
         draining = GaugeMetricFamily("ttserve_draining",
                                      "1 once SIGTERM arrived: admits nothing, finishes what it holds.",
                                      value=float(engine.draining))
-        yield from (running, waiting, kv, queries, hits, preemptions, up, ready, stalled, standby, warmup, draining)
+        yield from (running, waiting, kv, queries, hits, preemptions, drafts, draft_tokens, accepted, per_position,
+                    up, ready, stalled, standby, warmup, draining)

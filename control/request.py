@@ -189,6 +189,17 @@ class Request:
         return self.sampling.needs_host_sampler or self.grammar_spec is not None
 
     @property
+    def can_speculate(self) -> bool:
+        """Its next tokens can be verified from the logits alone (speculative decoding): no
+        grammar, no option that reads the token history (penalties, bad words) or reshapes the
+        logits beyond temperature, top-k, top-p and min-p (bias, allowed ids), and min_tokens no
+        longer masking EOS. Logprobs are returned for every accepted token."""
+        s = self.sampling
+        return (self.grammar_spec is None and not s.has_penalties and not s.logit_bias
+                and not s.allowed_token_ids and not s.bad_words
+                and s.min_tokens <= len(self.output_token_ids))
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -259,6 +270,14 @@ class Request:
         assert self.num_in_flight > 0, "a token arrived for a step that was never planned"
         self.num_in_flight -= 1
         self.prefilled = True
+        if logprobs is not None:
+            self.unsent_logprobs.append(logprobs)
+        self.output_token_ids.append(token_id)
+
+    def draft_accepted(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """A verify step accepted the draft `token_id` (speculative decoding): it is output like
+        a sampled token, before the step's own sampled token (`sampled`)."""
+        assert self.num_in_flight > 0, "a draft accepted for a step that was never planned"
         if logprobs is not None:
             self.unsent_logprobs.append(logprobs)
         self.output_token_ids.append(token_id)

@@ -20,6 +20,7 @@ from . import images
 from .blocks import BlockPool, PrefixHit
 from .client_text import first_line
 from .request import FinishReason, Request, RequestStatus, TokenLogprobs
+from .speculation import SpecTally, SpeculativeConfig, propose
 from .step import DecodeWork, GroupBlocks, PrefillWork, StepKind, StepPlan
 from .stop import check_stop
 
@@ -34,6 +35,7 @@ class SchedulerConfig:
     chunked_prefill: bool = True   # the model can prefill a prompt in several chunks
     max_prefill_batch: int = 0     # rows of one prefill step; 0 = max_num_seqs
     max_prefill_len: int = 0       # longest chunk (the largest traced prefill length); 0 = any
+    speculative: SpeculativeConfig | None = None  # decode rows carry n-gram drafts (speculation.py)
 
     def __post_init__(self) -> None:
         if not self.chunked_prefill:
@@ -60,6 +62,7 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs))
         self._released: list[str] = []         # device state to drop with the next step
         self.num_preemptions = 0
+        self.spec = SpecTally()
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -175,8 +178,8 @@ class Scheduler:
         row; ones they end by a stop token are dropped when that result arrives (rows go empty:
         the traced shape does not change). Only reads: `plan` then plans the step.
         """
-        if self.wants_prefill() or any(r.isolated for r in self.running):
-            return None
+        if self.wants_prefill() or any(r.isolated for r in self.running) or self.config.speculative:
+            return None  # (a verify step's accepted tokens decide what the next step feeds)
         decoders = [r for r in self.running if not r.is_prefilling]
         carried = {id(w.request) for w in previous.decode if w.request.status is RequestStatus.RUNNING}
         if carried != {id(r) for r in decoders}:
@@ -398,29 +401,45 @@ class Scheduler:
         for request in requests:
             if request.status is not RequestStatus.RUNNING or request.is_prefilling:
                 continue
-            needed = self._decode_blocks(request)
+            drafts = self._drafts(request)
+            needed = self._decode_blocks(request, len(drafts))
             if needed is None or (needed and not self._make_room(request, needed)):
                 continue
             # With a token in flight the worker feeds the one it sampled (still on the device).
             in_flight = request.num_in_flight
             new_ids = self.pool.grow(request, needed)
             work = DecodeWork(request, None if in_flight else request.output_token_ids[-1],
-                              request.num_tokens - 1 + in_flight, new_ids[0], groups=self._groups(request, new_ids))
+                              request.num_tokens - 1 + in_flight, new_ids[0], groups=self._groups(request, new_ids),
+                              draft_token_ids=drafts)
             request.planned()
             plan.decode.append(work)
         # A victim may have been planned before it was preempted: drop it from this step.
         plan.decode = [w for w in plan.decode if w.request.status is RequestStatus.RUNNING]
 
-    def _decode_blocks(self, request: Request) -> int | None:
-        """New blocks the request's next decode needs, or None when the steps in flight
-        certainly end it (it gets no row). With none in flight check_stop has already ended a
-        request at those limits: the check is skipped (this runs for every row of every step)."""
+    def _decode_blocks(self, request: Request, num_drafts: int = 0) -> int | None:
+        """New blocks the request's next decode needs (with `num_drafts` draft positions after
+        its own), or None when the steps in flight certainly end it (it gets no row). With none
+        in flight check_stop has already ended a request at those limits: the check is skipped
+        (this runs for every row of every step)."""
         in_flight = request.num_in_flight
         if in_flight and request.ends_in_flight(self.config.max_model_len):
             return None
         # Its next position is num_tokens - 1 + in_flight: blocks for one more token than that.
-        needed = self.pool.blocks_for(request.num_tokens + in_flight) - len(request.block_ids)
+        needed = self.pool.blocks_for(request.num_tokens + in_flight + num_drafts) - len(request.block_ids)
         return needed if needed > 0 else 0
+
+    def _drafts(self, request: Request) -> list[int]:
+        """The tokens proposed for the positions after its next one (speculation.py), within what
+        it may still produce: max_tokens and max_model_len leave room for the token the step
+        samples after them. None for a request whose sampling reads more than the logits
+        (penalties, bias, bad words, a grammar, min_tokens still masking EOS): its drafts would
+        be judged against a distribution the verify step does not compute."""
+        config = self.config.speculative
+        if config is None or request.num_in_flight or not request.can_speculate:
+            return []
+        room = min(request.sampling.max_tokens - len(request.output_token_ids),
+                   self.config.max_model_len - request.num_tokens) - 1
+        return propose(request.all_token_ids, config, min(config.num_speculative_tokens, room))
 
     def _preempt(self, request: Request) -> None:
         """Back to the head of waiting with nothing on the device; it recomputes on resume
@@ -445,10 +464,13 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[str, int],
                logprobs: dict[str, TokenLogprobs] | None = None,
-               refused: dict[str, str] | None = None) -> list[Request]:
+               refused: dict[str, str] | None = None, accepted: dict[str, int] | None = None,
+               draft_logprobs: dict[str, list[TokenLogprobs]] | None = None) -> list[Request]:
         """Apply a step's sampled tokens (and the logprobs of requests that asked for them);
         returns the requests with new tokens or a finish. A request the worker `refused` (its
-        items were out of range) ends with the worker's reason; the rest of the step applies."""
+        items were out of range) ends with the worker's reason; the rest of the step applies. A
+        verify row's request gets its `accepted` drafts (with their `draft_logprobs`) before
+        its sampled token, each checked against its stop conditions in turn."""
         logprobs = logprobs or {}
         changed: list[Request] = []
         for work in (*plan.prefill, *plan.decode) if refused else ():
@@ -469,12 +491,52 @@ class Scheduler:
             request = work.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.computed(work.position + 1)
-            self.pool.advance(request)
             if request.isolated:
                 request.step_succeeded()
+            if work.draft_token_ids:
+                self._apply_verified(work, sampled, logprobs, accepted or {}, draft_logprobs or {}, changed)
+                continue
+            request.computed(work.position + 1)
+            self.pool.advance(request)
             self._append(request, sampled[request.request_id], logprobs, changed)
         return changed
+
+    def _apply_verified(self, work: DecodeWork, sampled: dict[str, int], logprobs: dict[str, TokenLogprobs],
+                        accepted: dict[str, int], draft_logprobs: dict[str, list[TokenLogprobs]],
+                        changed: list[Request]) -> None:
+        """A verify row: its accepted drafts, then the token sampled after them. KV is computed
+        for the fed token and the accepted drafts; the rejected positions' KV stays in blocks the
+        request keeps and is rewritten when those positions are computed again."""
+        request = work.request
+        rid = request.request_id
+        count = min(accepted.get(rid, 0), len(work.draft_token_ids))
+        self.spec.record(len(work.draft_token_ids), count)
+        lps = draft_logprobs.get(rid, [])
+        for i, token in enumerate(work.draft_token_ids[:count]):
+            if not self._take_draft(request, token, lps[i] if i < len(lps) else None, changed):
+                return  # it ended on this draft (a stop token, max_tokens): the rest is dropped
+        self._append(request, sampled[rid], logprobs, changed)
+        if request.status is RequestStatus.RUNNING:
+            # The hashes of the blocks it publishes read the tokens just appended.
+            request.computed(work.position + 1 + count)
+            self.pool.advance(request)
+
+    def _take_draft(self, request: Request, token_id: int, token_logprobs: TokenLogprobs | None,
+                    changed: list[Request]) -> bool:
+        """An accepted draft joins its output; False when that ends it."""
+        if request.sampling.logprobs is not None and token_logprobs is None:
+            self.finish(request, FinishReason.ERROR, "the worker accepted a draft token without the logprobs the "
+                        "request asked for")
+            changed.append(request)
+            return False
+        request.draft_accepted(token_id, token_logprobs if request.sampling.logprobs is not None else None)
+        stop = check_stop(request, self.config.max_model_len)
+        if stop is None:
+            return True
+        changed.append(request)
+        reason, stop_token_id = stop
+        self.finish(request, reason, stop_token_id=stop_token_id)
+        return False
 
     def _append(self, request: Request, token_id: int, logprobs: dict[str, TokenLogprobs],
                 changed: list[Request]) -> None:

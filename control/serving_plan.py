@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from .engine_config import EngineConfig
 from .scheduler import SchedulerConfig
+from .speculation import SpeculativeConfig
 from .wire import WorkerDescription
 
 
@@ -63,6 +64,10 @@ class ServingPlan:
     async_decode: bool              # pipeline decode steps (two in flight)
     notes: tuple[Note, ...] = ()
     kv_windows: tuple[int, ...] = (0,)  # per KV group: sliding window, 0 = full (blocks.py)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return self.scheduler.speculative
 
     @property
     def max_model_len(self) -> int:
@@ -132,6 +137,16 @@ def plan_serving(config: EngineConfig, warm: WorkerDescription, asked: WarmupPla
         notes.append(Note(logging.WARNING, f"--async-scheduling: the worker at {warm.address} cannot pipeline "
                                            f"decode steps ({warm.architecture} does not support async decode, "
                                            "or decode samples on the host); turned off"))
+    speculative = config.speculative
+    if speculative is not None and not warm.supports_speculative_decoding:
+        notes.append(Note(logging.WARNING, f"--speculative-config: {warm.architecture} on the worker at {warm.address} "
+                                           "cannot verify draft tokens (its class has no verify_forward); serving "
+                                           "without speculative decoding"))
+        speculative = None
+    if speculative is not None and async_decode:
+        notes.append(Note(logging.INFO, "speculative decoding: decode steps are not pipelined (a verify step's "
+                                        "accepted tokens decide what the next one feeds)"))
+        async_decode = False
     caching = config.enable_prefix_caching
     if caching and not warm.supports_prefix_caching:
         notes.append(Note(logging.WARNING, f"--enable-prefix-caching: {warm.architecture} on the worker at "
@@ -140,7 +155,7 @@ def plan_serving(config: EngineConfig, warm: WorkerDescription, asked: WarmupPla
     scheduler = SchedulerConfig(
         max_num_seqs=asked.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
         chunked_prefill=warm.supports_chunked_prefill, max_prefill_batch=warm.max_prefill_batch_size,
-        max_prefill_len=max_prefill_len)
+        max_prefill_len=max_prefill_len, speculative=speculative)
     return ServingPlan(warm.architecture, warm.vocab_size, warm.block_size, warm.supports_images, asked.num_lanes,
                        scheduler, chunk_limit, caching, async_decode, tuple(notes), warm.kv_windows)
 

@@ -43,6 +43,8 @@ class DecodeWork:
     new_block_ids: list[int]
     bitmask: bytes = b""        # the request's grammar mask for the sampled token; b"" = none
     groups: list[GroupBlocks] = field(default_factory=list)  # KV groups past the first
+    # Speculative decoding: tokens proposed for position + 1, ... (a verify row; speculation.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

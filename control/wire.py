@@ -126,6 +126,7 @@ class WorkerDescription:
     # Per KV group, its sliding window in tokens (0: full attention; group 0 always is): (0,)
     # for a model of one group, and until warm (device.proto kv_groups).
     kv_windows: tuple[int, ...] = (0,)
+    supports_speculative_decoding: bool = False  # it verifies DecodeItem.draft_token_ids
 
 
 def describe_request_pb() -> device_pb2.DescribeRequest:
@@ -145,7 +146,8 @@ def description_from_pb(d: device_pb2.DeviceDescription, address: str) -> Worker
         num_blocks_per_lane=d.num_blocks_per_lane, block_size=d.block_size,
         prefill_buckets=list(d.prefill_buckets), max_prefill_batch_size=d.max_prefill_batch_size,
         draining=d.draining, protocol_version=d.protocol_version,
-        kv_windows=tuple(g.sliding_window for g in d.kv_groups) or (0,))
+        kv_windows=tuple(g.sliding_window for g in d.kv_groups) or (0,),
+        supports_speculative_decoding=d.supports_speculative_decoding)
 
 
 def warmup_request_to_pb(num_lanes: int, max_num_seqs: int, max_model_len: int,
@@ -215,7 +217,8 @@ def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_nu
             else:
                 batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
                                  position=work.position, new_block_ids=work.new_block_ids,
-                                 token_bitmask=work.bitmask, groups=_groups_pb(work.groups))
+                                 token_bitmask=work.bitmask, groups=_groups_pb(work.groups),
+                                 draft_token_ids=work.draft_token_ids)
     return batch
 
 
@@ -264,6 +267,8 @@ class StepOutcome:
     error: str = ""         # the step failed inside the model (the worker dropped its device state)
     draining: bool = False  # not a result: the worker's notice that it shuts down
     probe: bool = False     # not a result: another control plane asks for the worker; answer it
+    accepted: dict[str, int] = field(default_factory=dict)  # verify rows: drafts accepted
+    draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per accepted draft
 
 
 def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
@@ -274,4 +279,8 @@ def step_result_from_pb(result: device_pb2.StepResult) -> StepOutcome:
                        total_s=t.total_s, traced=t.traced,
                        sampled_on_device=t.sampled_on_device, logprobs=logprobs,
                        refused={r.request_id: r.message for r in result.refused}, error=result.error,
-                       draining=result.draining, probe=result.probe)
+                       draining=result.draining, probe=result.probe,
+                       accepted={s.request_id: s.num_accepted_drafts for s in result.tokens if s.num_accepted_drafts},
+                       draft_logprobs={s.request_id: [TokenLogprobs(list(d.token_ids), list(d.logprobs), d.rank)
+                                                      for d in s.draft_logprobs]
+                                       for s in result.tokens if s.draft_logprobs})

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .blocks import BlockPool
 from .engine_config import EngineConfig
@@ -18,6 +18,7 @@ from .placement import Candidate
 from .request import FinishReason, Request
 from .scheduler import Scheduler
 from .serving_plan import ServingPlan, WarmupPlan, plan_warmup
+from .speculation import SpecTally
 from .step import StepKind
 from .wire import StepOutcome, WorkerDescription
 from .worker_link import StepFailed, WorkerError, WorkerLink
@@ -51,12 +52,14 @@ class LaneTotals:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    spec: SpecTally = field(default_factory=SpecTally)
 
     def add(self, group: LaneGroup) -> "LaneTotals":
         for lane in group.lanes:
             self.prefix_query_tokens += lane.pool.num_queries * lane.pool.block_size
             self.prefix_hit_tokens += lane.pool.num_hits * lane.pool.block_size
             self.preemptions += lane.num_preemptions
+            self.spec.add(lane.spec)
         return self
 
 
@@ -169,7 +172,7 @@ class WorkerGroup:
         return "serving" if self.ready else self.not_ready_reason
 
     def totals(self) -> LaneTotals:
-        totals = replace(self._retired)
+        totals = replace(self._retired, spec=self._retired.spec.copy())  # the lanes' add onto a copy
         return totals.add(self.lane_group) if self.lane_group is not None else totals
 
     def wake(self) -> None:
@@ -347,7 +350,8 @@ class WorkerGroup:
                     self.metrics.step(self.name, plan.kind, outcome.traced, outcome.sampled_on_device,
                                       outcome.total_s, time.monotonic() - done.sent)
                     yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs,
-                                                                outcome.refused))
+                                                                outcome.refused, outcome.accepted,
+                                                                outcome.draft_logprobs))
         except WorkerError as e:
             if link.drain_notice.is_set():  # it said it shuts down: a planned end, whatever broke after
                 raise WorkerDraining(f"worker {self.name} at {self.address} is shutting down ({e})",

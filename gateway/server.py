@@ -247,8 +247,8 @@ def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
     # Options whose work happens in the engine, which ttserve's control plane and devices do
     # not do: refused rather than silently ignored.
     if getattr(vllm_args, "speculative_config", None):
-        raise ConfigRefused("speculative decoding (--speculative-config) is not supported on this "
-                            "backend: ttserve's devices run one token per decode step")
+        raise ConfigRefused("--speculative-config belongs to the control plane, which proposes and verifies "
+                            "the drafts: pass it to `ttserve control` (`ttserve up` passes it there)")
     if getattr(vllm_args, "enable_lora", False):
         raise ConfigRefused("LoRA (--enable-lora) is not supported on this backend")
     if (getattr(vllm_args, "max_logprobs", 0) or 0) > MAX_LOGPROBS:

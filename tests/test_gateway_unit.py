@@ -244,7 +244,7 @@ def test_refusals_map_to_http_400_and_503_with_the_control_planes_message():
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "speculative decoding"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "belongs to the control plane"),
     (["--enable-lora"], "LoRA"),
 ])
 def test_engine_side_features_are_refused_at_start_up(flags, words, smollm2):

@@ -126,3 +126,10 @@ time.sleep(120)
         time.sleep(0.05)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the child outlived its SIGKILLed parent")
+
+
+def test_speculative_config_goes_to_the_control_plane_alone():
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    _, shares = split_flags(["--speculative-config", spec])
+    assert _flag(shares["control"], "--speculative-config") == spec
+    assert "--speculative-config" not in shares["gateway"] and "--speculative-config" not in shares["worker"]

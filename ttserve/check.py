@@ -59,6 +59,7 @@ def check(argv: list[str], out: TextIO | None = None) -> int:
         described = _description(plan, config.workers[0].address if config and config.workers else "")
         max_model_len, judged = _serving_problems(config, described)
         problems += judged
+        plan.lines.append(_speculation_line(config, described))
         # The longest chunk the scheduler plans (serving_plan: at least a block).
         chunk = max(control.max_num_batched_tokens, plan.block_size)
         plan.lines += _kv_budget_lines(described, max_model_len, chunk, control.max_num_seqs)
@@ -97,7 +98,22 @@ def _description(plan: WorkerPlan, address: str) -> WorkerDescription:
         supports_prefix_caching=caps.get("supports_prefix_caching", not known),
         single_execute_lanes=plan.lanes_in_process,
         mixture_of_experts=mixture_of_experts(config),
-        num_blocks_per_lane=plan.num_blocks_per_lane, block_size=plan.block_size, kv_windows=plan.kv_windows or (0,))
+        num_blocks_per_lane=plan.num_blocks_per_lane, block_size=plan.block_size, kv_windows=plan.kv_windows or (0,),
+        # The torch backend verifies drafts with the class's verify_forward; no tt-metal class has one.
+        supports_speculative_decoding=plan.backend == "torch" and callable(getattr(plan.model_cls, "verify_forward", None)))
+
+
+def _speculation_line(config: EngineConfig | None, d: WorkerDescription) -> str:
+    """Whether decode steps will verify n-gram drafts, and why not."""
+    spec = config.speculative if config is not None else None
+    if spec is None:
+        state = "off (no --speculative-config)"
+    elif not d.supports_speculative_decoding:
+        state = (f"off: {d.architecture} on the {d.backend} backend cannot verify draft tokens (no verify_forward); "
+                 f"--speculative-config ({spec.describe()}) is ignored")
+    else:
+        state = f"on: {spec.describe()}; decode steps are not pipelined"
+    return f"{'speculation:':<14}{state}"
 
 
 def _kv_budget_lines(d: WorkerDescription, max_model_len: int, chunk: int, max_num_seqs: int) -> list[str]:

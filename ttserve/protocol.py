@@ -22,7 +22,9 @@ import grpc
 # 7: the step stream's probe (StepResult.probe, StepBatch.probe_answer): a version-6 control plane
 #    would not answer, and a second control plane would take its workers while it serves.
 # 8: hybrid KV cache groups (DeviceDescription.kv_groups, the items' GroupBlocks): a version-7
-#    control plane would give a hybrid model one block table, and its sliding layers' KV no room.
+#    control plane would give a hybrid model one block table, and its sliding layers' KV no room;
+#    and speculative decoding (DecodeItem.draft_token_ids, SampledToken.num_accepted_drafts),
+#    which a version-7 worker would silently ignore.
 PROTOCOL_VERSION = 8
 METADATA_KEY = "ttserve-protocol-version"
 CALL_METADATA: tuple[tuple[str, str], ...] = ((METADATA_KEY, str(PROTOCOL_VERSION)),)

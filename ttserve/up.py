@@ -98,6 +98,8 @@ def split_flags(argv: list[str]) -> tuple[argparse.Namespace, dict[str, list[str
     # The worker resolves --model (an embedded name or a folder); the gateway on the same host
     # reads the folder the control plane reports, so a name like `smollm2` never reaches it.
     shares["gateway"] = _without_flag(shares["gateway"], "--model")
+    # vLLM's frontend parses --speculative-config too; it is the control plane's to act on.
+    shares["gateway"] = _without_flag(shares["gateway"], "--speculative-config")
     host = _host(shares["gateway"])
     shares["worker"] += dotted + ["--port", str(args.worker_port),
                                   "--metrics-port", str(args.worker_metrics_port)]

@@ -36,6 +36,21 @@ class HostSampling:
         """Some option is set: the request's batches are sampled on the host."""
         return needs_host_sampler(self)
 
+    @property
+    def draft_problem(self) -> str | None:
+        """Why this request's draft tokens cannot be verified (speculative decoding), None when
+        they can: a verify step judges a draft by the row's distribution from the logits alone,
+        so an option that reads the token history (penalties, bad words) or reshapes the logits
+        beyond temperature, top-k, top-p and min-p (bias, allowed ids) rules drafts out; min-p
+        and logprobs do not. The control plane's rule (control/request.py `can_speculate`)."""
+        if self.has_penalties:
+            return "penalties (they read the token history, which the drafts extend)"
+        if self.bad_words:
+            return "bad words (they read the token history, which the drafts extend)"
+        if self.logit_bias or self.allowed_token_ids:
+            return "logit_bias or allowed_token_ids"
+        return None
+
 
 @dataclass(slots=True)
 class NewRequest:
@@ -97,6 +112,8 @@ class DecodeItem:
     use_previous_token: bool = False
     token_bitmask: bytes = b""     # grammar mask of the sampled token (device.proto); b"" = none
     groups: list[GroupBlocks] = field(default_factory=list)  # KV groups past the first
+    # Speculative decoding: tokens proposed for position + 1, + 2, ... (a verify row; device.proto).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -121,6 +138,10 @@ class StepResult:
     traced: bool = False
     sampled_on_device: bool = False
     refused: dict[str, str] = field(default_factory=dict)  # request id -> why its items were dropped
+    # A verify step's rows (speculative decoding): drafts accepted, which come before `tokens`'s
+    # token, and for the requests that asked, the logprobs of each accepted draft in order.
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)
@@ -160,3 +181,5 @@ class Description:
     max_prefill_batch_size: int = 0
     # Hybrid KV cache groups once warm, (window, layers) each (worker/kv_groups.py); empty: one.
     kv_groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    # Decode rows may carry draft tokens (DecodeItem.draft_token_ids): the model verifies them.
+    supports_speculative_decoding: bool = False

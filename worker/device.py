@@ -156,6 +156,17 @@ class DeviceBackend(Protocol):
         vocab]). Called once per launched decode, in launch order."""
         ...
 
+    def verify(self, model: Any, **inputs: Any) -> Any:
+        """Speculative decoding's verify step, one forward over some decode rows: `verify_forward(
+        tokens [B, S], start_pos [B], page_table [B, width], kv_cache, num_tokens [B], empty_slots [B][,
+        page_tables_per_layer, rope_deltas_all_users])`, row i computing tokens[i, :num_tokens[i]]
+        (its fed token, then its draft tokens) from position start_pos[i], as batch row
+        empty_slots[i]. Returns float32 logits [B, S, vocab] of every position, never tokens: a
+        verify step samples on the host. The runner calls it only for a class that declares a
+        callable `verify_forward` (ModelRunner.supports_speculative_decoding); a backend with no
+        such entry point raises NotImplementedError."""
+        ...
+
     def reset(self) -> None:
         """A new step stream: nothing the device holds of the last one (decode inputs, rows) is
         reused. The runner has finished every decode it launched before calling this."""

@@ -24,7 +24,7 @@ from .device import DeviceBackend, PendingDecode, Progress
 from .kv_groups import KvGroups, group_layers, uniform
 from .planning.options import async_decode_allowed, device_sampling, trace_flags
 from .planning.registry import mixture_of_experts
-from .sampling import SamplingBatch, draws, gather_logprobs, sample, seeded_generator
+from .sampling import SamplingBatch, draws, gather_logprobs, sample, seeded_generator, verify, verify_logprobs
 from .step_check import Limits, check_batch
 
 log = logging.getLogger(__name__)
@@ -228,6 +228,13 @@ class ModelRunner:
         return self.backend.lanes_in_process(self.model_cls)
 
     @functools.cached_property
+    def supports_speculative_decoding(self) -> bool:
+        """Decode rows may carry draft tokens (device.proto DecodeItem.draft_token_ids): the class
+        declares a callable `verify_forward`, which the backend's `verify` runs (the torch
+        reference models and the sim's; no tt-metal class)."""
+        return callable(getattr(self.model_cls, "verify_forward", None))
+
+    @functools.cached_property
     def _device_top_k(self) -> int | None:
         """The largest top_k the device sampler honours exactly (None: no limit)."""
         return self.backend.max_top_k(self.capabilities)
@@ -273,7 +280,8 @@ class ModelRunner:
         self._page_table = self._page_tables[0]
         self._group_of_layer = groups.group_of_layer if groups.hybrid else None
         self._limits = Limits(config.num_lanes, config.max_num_seqs, layout.num_blocks_per_lane, self.block_size,
-                              config.max_model_len, width, self.vocab_size, groups.windows)
+                              config.max_model_len, width, self.vocab_size, groups.windows,
+                              self.supports_speculative_decoding)
         self.config = config
 
     @property
@@ -577,6 +585,9 @@ class ModelRunner:
 
     def _decode(self, items: list[DecodeItem], launched: Launched, pipelined: bool) -> None:
         assert self.config is not None
+        if any(item.draft_token_ids for item in items):
+            self._verify(items, launched.result)
+            return
         rows = self.config.num_lanes * self.config.max_num_seqs
         tokens = torch.zeros(rows, 1, dtype=torch.long)
         positions = torch.full((rows,), -1, dtype=torch.long)  # -1: an empty row
@@ -629,6 +640,62 @@ class ModelRunner:
         if row_logprobs:
             result.logprobs = {rid: lp for rid in result.tokens
                                if (lp := row_logprobs.get(self._requests[rid].row)) is not None}
+
+    def _verify(self, items: list[DecodeItem], result: StepResult) -> None:
+        """A decode step with draft tokens (speculative decoding, device.proto
+        DecodeItem.draft_token_ids): one `verify` forward over the step's rows, row i feeding its
+        token and its k_i drafts from its position (rows without drafts: k = 0, plain decode rows
+        of the same call), then sampling.verify's acceptance on the host, never on the device and
+        never pipelined (the control plane sends no async_readback with drafts; step_check
+        refused drafts with a carried token). Every new token, accepted draft then final, goes
+        through RequestState.sampled in order, so penalty histories and min_tokens count them;
+        a seeded row's generator advances one uniform per new token (sampling.py's rule), so a
+        resumed request still replays num_output_tokens draws."""
+        assert self.config is not None
+        states = [self._state(item.request_id, item.new_block_ids, item.groups) for item in items]
+        drafts = [list(item.draft_token_ids) for item in items]
+        rows = [s.row for s in states]
+        fed = [item.token_id for item in items]
+        if any(item.use_previous_token for item in items):
+            # Only rows without drafts (step_check): the last decode's token, read back already.
+            if isinstance(self._previous_tokens, PendingDecode):
+                raise StepError("a verify step carries the token of a decode still on the device: "
+                                "a step before one with draft tokens must not be pipelined")
+            fed = [int(self._previous_tokens[row]) if item.use_previous_token else token
+                   for item, row, token in zip(items, rows, fed)]
+        tokens = torch.zeros(len(items), 1 + max(map(len, drafts)), dtype=torch.long)
+        for i, token in enumerate(fed):
+            tokens[i, :1 + len(drafts[i])] = torch.tensor([token, *drafts[i]], dtype=torch.long)
+        all_rows = self.config.num_lanes * self.config.max_num_seqs
+        rope: dict[str, list[int]] = {}
+        if self.uses_mrope:  # every row's, by row, as a decode sends them
+            deltas = [0] * all_rows
+            for state in states:
+                deltas[state.row] = state.rope_delta
+            rope = {"rope_deltas_all_users": deltas}
+        logits = self.backend.verify(
+            self.model, tokens=tokens, start_pos=torch.tensor([item.position for item in items]),
+            page_table=self._page_table[rows], kv_cache=self.kv_cache,
+            num_tokens=torch.tensor([1 + len(d) for d in drafts]), empty_slots=rows, **rope,
+            **self._per_layer(self._page_tables[:, rows]))
+        sampling = _sampling_batch(states, [item.token_bitmask or None for item in items])
+        accepted, final = verify(logits, drafts, sampling)
+        draft_logprobs, logprobs = verify_logprobs(logits, drafts, accepted, final, sampling)
+        result.sampled_on_device = result.traced = False
+        previous = torch.zeros(all_rows, dtype=torch.long)
+        for i, (item, state) in enumerate(zip(items, states)):
+            rid, token = item.request_id, int(final[i])
+            for new_token in (*drafts[i][:accepted[i]], token):
+                state.sampled(new_token)
+            result.tokens[rid] = previous[state.row] = token
+            if drafts[i]:
+                result.num_accepted[rid] = accepted[i]
+            if logprobs[i] is not None:
+                result.logprobs[rid] = logprobs[i]
+                if draft_logprobs[i]:
+                    result.draft_logprobs[rid] = draft_logprobs[i]
+        # A later decode's carried rows (use_previous_token) take the token after the accepted drafts.
+        self._previous_tokens = previous
 
     def _collect(self, items: list[DecodeItem], sampled: list[int]) -> dict[str, int]:
         tokens = {}

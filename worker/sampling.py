@@ -7,10 +7,18 @@ temperature, in vLLM's order (vllm/v1/sample/sampler.py), and `gather_logprobs` 
 that asked. The runner decides per batch which path a batch takes (docs/architecture.md, "The worker").
 
 Reproducibility rule: a request with a seed owns a `torch.Generator` that persists across its
-steps, and every sampled step draws exactly one uniform from it, whatever the other rows of the
-batch are. So a seeded request yields the same tokens alone or in any batch,
+steps, and every token it samples draws exactly one uniform from it, whatever the other rows of
+the batch are. So a seeded request yields the same tokens alone or in any batch,
 and one that resumes elsewhere (preempted, or migrated off a lost worker) replays its draws
 (`seeded_generator`) and goes on with the tokens an uninterrupted run gives.
+
+Speculative decoding (`verify`): a verify step's row judges its draft tokens against the model's
+logits at each draft's position and returns the accepted drafts and one token after them, with
+plain sampling's output distribution (greedy: its exact tokens). It keeps the rule above: each of
+the row's new tokens, accepted draft or final, costs its generator exactly one uniform, so a
+resumed request's replay stays right. A uniform decides a token differently in a verify step
+(u < p(draft)) than in a plain one (the inverse CDF), so a seeded sampled request gives the same
+tokens for the same drafts, and other tokens of the same distribution for other drafts.
 """
 from __future__ import annotations
 
@@ -155,6 +163,142 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
     out[idx] = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
     return out
+
+
+def verify(logits: torch.Tensor, drafts: Sequence[Sequence[int]], batch: SamplingBatch
+           ) -> tuple[list[int], torch.Tensor]:
+    """Speculative decoding's acceptance: row i fed its token and drafts[i] (k_i tokens), and
+    logits[i, j] [R, S, V] (S > every k_i) is the model's distribution after its j-th fed token,
+    the one draft j is judged against. Returns (a_i, the number of drafts accepted, per row) and
+    [R] int64 token ids on the host: the token sampled after the accepted ones (a correction
+    after a rejected draft, or the bonus after all k_i). Row i's new tokens are
+    drafts[i][:a_i] + [token].
+
+    * A row without drafts is a plain decode row: `sample` of logits[i, 0] with every rule its
+      batch row holds (penalties, bitmask, min_tokens, ...).
+    * Greedy (`draws` false): draft j is accepted while it is the argmax at j; the token is the
+      argmax after the accepted run: plain greedy decoding's tokens, one argmax over the rows.
+    * Sampled: rejection sampling against a point-mass proposal. With p_j the row's distribution
+      at j as `sample` computes it (temperature, top-k, top-p, min-p: `_filtered_probs`), draft x
+      is accepted with probability p_j(x), by one uniform u < p_j(x). On the first rejection the
+      token comes from p_j without x, renormalised, and the row stops; after k accepted drafts it
+      comes from p_k. Every token so has plain sampling's distribution given the ones before.
+      A rejection's uniform, u in [p_j(x), 1), also picks the correction: (u - p_j(x)) / (1 -
+      p_j(x)) is uniform in [0, 1) given the rejection, so the row draws one uniform per new
+      token (the module's reproducibility rule) and a seeded row is reproducible for the same
+      drafts.
+
+    A row with drafts must hold no rule beyond temperature, top-k, top-p and min-p (no bitmask,
+    blocked ids or `HostSampling.draft_problem`): step_check refuses those before they run.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"verify logits must be [rows, positions, vocab], got {tuple(logits.shape)}")
+    rows, width, vocab = logits.shape
+    counts = [len(d) for d in drafts]
+    if len(counts) != rows or len(batch) != rows:
+        raise ValueError(f"verify has {rows} logits rows, {len(counts)} draft lists and {len(batch)} sampling rows")
+    if any(k >= width for k in counts):
+        raise ValueError(f"a row has {max(counts)} drafts; the logits hold {width} positions per row")
+    for i, k in enumerate(counts):
+        host = batch.host[i]
+        problem = ((host.draft_problem if host is not None else None)
+                   or ("a grammar bitmask" if batch.bitmasks[i] else None)
+                   or ("min_tokens' blocked ids" if batch.blocked_token_ids[i] else None))
+        if k and problem:
+            raise ValueError(f"row {i} has drafts and {problem}: its drafts cannot be verified")
+    accepted = [0] * rows
+    out = torch.zeros(rows, dtype=torch.int64)
+    plain = [i for i in range(rows) if not counts[i]]
+    if plain:
+        index = torch.tensor(plain, device=logits.device)
+        out[plain] = sample(logits[index, 0], batch.select(plain)).cpu()
+    draw = [draws(float(batch.temperature[i]), int(batch.top_k[i])) for i in range(rows)]
+    greedy = [i for i in range(rows) if counts[i] and not draw[i]]
+    if greedy:
+        best = logits[torch.tensor(greedy, device=logits.device)].argmax(dim=-1).cpu()  # [g, S]
+        proposed = torch.full((len(greedy), width - 1), -1, dtype=torch.int64)  # -1: never the argmax
+        for g, i in enumerate(greedy):
+            proposed[g, :counts[i]] = torch.tensor(list(drafts[i]), dtype=torch.int64)
+        # Drafts accepted: the length of the run of matches from the first.
+        run = (best[:, :-1] == proposed).long().cumprod(dim=-1).sum(dim=-1)
+        out[greedy] = best.gather(1, run[:, None]).squeeze(1)
+        for g, i in enumerate(greedy):
+            accepted[i] = int(run[g])
+    sampled = [i for i in range(rows) if counts[i] and draw[i]]
+    if sampled:
+        # Every real position of the sampled rows, one probability row each, in one pass.
+        at = [(i, j) for i in sampled for j in range(counts[i] + 1)]
+        pick = lambda values: [values[i] for i, _ in at]  # noqa: E731
+        dev = logits.device
+        min_p = [h.min_p if h is not None else 0.0 for h in batch.host]
+        probs = _filtered_probs(
+            logits[torch.tensor([i for i, _ in at], device=dev), torch.tensor([j for _, j in at], device=dev)].float(),
+            torch.tensor(pick([float(t) for t in batch.temperature]), device=dev),
+            torch.tensor(pick([int(k) for k in batch.top_k]), device=dev),
+            torch.tensor(pick([float(p) for p in batch.top_p]), device=dev),
+            torch.tensor(pick(min_p), dtype=torch.float32, device=dev)).cpu()
+        first = 0
+        for i in sampled:
+            accepted[i], out[i] = _rejection_sample(probs[first:first + counts[i] + 1], drafts[i], batch.generators[i])
+            first += counts[i] + 1
+    return accepted, out
+
+
+def _rejection_sample(probs: torch.Tensor, drafts: Sequence[int], generator: torch.Generator | None
+                      ) -> tuple[int, int]:
+    """One sampled row of `verify`: probs [k + 1, V] its distributions at the k drafts' positions
+    and after them. Returns (drafts accepted, the token after them); draws one uniform per token."""
+    for j, x in enumerate(drafts):
+        u = float(_uniform(generator)[0])
+        p_x = float(probs[j, x])
+        if u < p_x:
+            continue
+        residual = probs[j].clone()
+        residual[x] = 0.0
+        # u is uniform in [p_x, 1) given the rejection (p_x < 1): rescaled, the correction's draw.
+        return j, _inverse_cdf(residual, (u - p_x) / (1.0 - p_x), fallback=x)
+    return len(drafts), _inverse_cdf(probs[len(drafts)], float(_uniform(generator)[0]))
+
+
+def _inverse_cdf(probs: torch.Tensor, u: float, fallback: int | None = None) -> int:
+    """The token of [V] probabilities (not necessarily normalised) that uniform u in [0, 1) picks,
+    as `sample` picks it: where the cumulative sum first exceeds u times the total. `fallback`
+    when nothing is left (a residual whose rounding took all the mass: the draft was certain)."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    total = float(cdf[-1])
+    if total <= 0.0 and fallback is not None:
+        return fallback
+    at = torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True)
+    return int(at.clamp_(max=probs.shape[-1] - 1))
+
+
+def verify_logprobs(logits: torch.Tensor, drafts: Sequence[Sequence[int]], accepted: Sequence[int],
+                    tokens: torch.Tensor, batch: SamplingBatch
+                    ) -> tuple[list[list[TokenLogprobs]], list[TokenLogprobs | None]]:
+    """A verify step's logprobs (`verify`'s logits, drafts and results), for the rows that asked:
+    per row, one entry per accepted draft (logits[i, j] with drafts[i][j] as the sampled token),
+    and the final token's (logits[i, a_i]); each as `gather_logprobs` makes it (raw logprobs:
+    the sampled token first, then the top-k)."""
+    rows = len(drafts)
+    per_draft: list[list[TokenLogprobs]] = [[] for _ in range(rows)]
+    final: list[TokenLogprobs | None] = [None] * rows
+    wanted = [i for i, h in enumerate(batch.host) if h is not None and h.logprobs is not None]
+    if not wanted:
+        return per_draft, final
+    at = [(i, j) for i in wanted for j in range(accepted[i] + 1)]
+    dev = logits.device
+    flat = logits[torch.tensor([i for i, _ in at], device=dev), torch.tensor([j for _, j in at], device=dev)]
+    chosen = torch.tensor([drafts[i][j] if j < accepted[i] else int(tokens[i]) for i, j in at], dtype=torch.int64,
+                          device=dev)
+    hosts = [batch.host[i] for i, _ in at]
+    entries = gather_logprobs(flat, chosen, SamplingBatch([0.0] * len(at), [0] * len(at), [1.0] * len(at), host=hosts))
+    for (i, j), entry in zip(at, entries):
+        assert entry is not None
+        if j < accepted[i]:
+            per_draft[i].append(entry)
+        else:
+            final[i] = entry
+    return per_draft, final
 
 
 def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

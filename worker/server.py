@@ -118,7 +118,8 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
             ready=r.config is not None, async_decode=r.async_decode, mixture_of_experts=r.is_mixture_of_experts,
             mrope=r.uses_mrope, supports_images=r.supports_images,
             image_token_id=r.image_token_id if r.supports_images else 0,
-            dtype=str(r.dtype).removeprefix("torch."), draining=self.draining)
+            dtype=str(r.dtype).removeprefix("torch."), draining=self.draining,
+            supports_speculative_decoding=r.supports_speculative_decoding)
         if r.config is not None and r.layout is not None:
             d.config = r.config
             d.num_blocks_per_lane = r.layout.num_blocks_per_lane

@@ -2,9 +2,9 @@
 or held by another request, a block id outside the lane's KV cache, a position no block covers, a
 token id outside the vocabulary, a request twice in one step, a sampling value out of range; with
 hybrid KV groups, a later group's table out of step with the first's or skipping a block the
-item's window still reads) is refused with a message and dropped from the batch, failing only its
-request; the rest of the step runs. Nothing is clamped: a clamped block id writes another
-request's KV.
+item's window still reads; draft tokens the worker cannot verify, `_drafts_problem`) is refused
+with a message and dropped from the batch, failing only its request; the rest of the step runs.
+Nothing is clamped: a clamped block id writes another request's KV.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
-from .batch import DecodeItem, NewRequest, PrefillChunk, StepBatch
+from .batch import DecodeItem, HostSampling, NewRequest, PrefillChunk, StepBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,8 @@ class Limits:
     # Per KV group, its sliding window (0: full attention; worker/kv_groups.py): items carry a
     # GroupBlocks for each group past the first.
     windows: tuple[int, ...] = (0,)
+    # The model verifies draft tokens (speculative decoding); else a decode item with drafts is refused.
+    speculative: bool = False
 
 
 class Held(Protocol):
@@ -35,6 +37,12 @@ class Held(Protocol):
     block_ids: list[int]
     group_lengths: list[int]  # entries of each later KV group's table (RequestState)
     prefix: list[int]        # its prompt tokens, while its prefill runs
+    host: HostSampling | None  # options only the host sampler applies (read for draft tokens)
+
+    @property
+    def blocked_token_ids(self) -> list[int] | None:
+        """Ids min_tokens still masks (read for draft tokens)."""
+        ...
 
 
 def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> tuple[StepBatch, dict[str, str]]:
@@ -51,7 +59,7 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
     released = set(batch.released_ids)
     # (blocks held, prompt tokens held) of the requests this step has touched so far.
     held: dict[str, tuple[int, int]] = {}
-    added: set[str] = set()
+    added: dict[str, NewRequest] = {}
     if batch.new_requests:
         rows = {state.row: rid for rid, state in live.items() if rid not in released}
         for new in batch.new_requests:
@@ -61,7 +69,7 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
                 continue
             rows[new.row] = new.request_id
             held[new.request_id] = (0, 0)
-            added.add(new.request_id)
+            added[new.request_id] = new
     seen: set[str] = set()
     for item in (*batch.prefill, *batch.decode):
         rid = item.request_id
@@ -79,6 +87,9 @@ def check_batch(batch: StepBatch, limits: Limits, live: Mapping[str, Held]) -> t
             continue
         blocks, prompt = held[item.request_id]
         problem = _item_problem(item, limits, blocks, prompt)
+        if not problem and isinstance(item, DecodeItem) and item.draft_token_ids:
+            problem = _drafts_problem(item, limits, blocks + len(item.new_block_ids),
+                                      added.get(item.request_id) or live[item.request_id])
         if not problem and (item.groups or len(limits.windows) > 1):
             # A request has one item per step (a second is refused above): its tables before it.
             lengths = [] if item.request_id in added else live[item.request_id].group_lengths
@@ -118,6 +129,39 @@ def _groups_problem(item: PrefillChunk | DecodeItem, limits: Limits, length: int
         if blocks.num_skipped_blocks > readable:
             return (f"KV group {g}: {blocks.num_skipped_blocks} skipped blocks, but position {first} reads from "
                     f"block {readable} on (window {window or 'all'})")
+    return None
+
+
+def _drafts_problem(item: DecodeItem, limits: Limits, blocks: int, request: NewRequest | Held) -> str | None:
+    """A verify row (device.proto DecodeItem.draft_token_ids) the worker can run: a model that
+    verifies, the token fed explicitly (its drafts follow it), no grammar bitmask, every draft
+    position inside max_model_len and the item's `blocks`, the ids in the vocabulary, and a
+    request whose distribution comes from the logits alone (HostSampling.draft_problem, and
+    min_tokens no longer masking), which the control plane never sends drafts for otherwise."""
+    drafts = item.draft_token_ids
+    if not limits.speculative:
+        return "carries draft tokens, but this worker's model cannot verify them (no speculative decoding)"
+    if item.use_previous_token:
+        return "carries draft tokens with use_previous_token: a verify row feeds its token explicitly"
+    if item.token_bitmask:
+        return "carries draft tokens with a grammar bitmask: a grammar's drafts cannot be verified"
+    last = item.position + len(drafts)
+    if last >= limits.max_model_len:
+        return f"its {len(drafts)} draft tokens reach position {last}, past max_model_len {limits.max_model_len}"
+    if last >= blocks * limits.block_size:
+        return (f"its {len(drafts)} draft tokens reach position {last}, but its blocks cover "
+                f"{blocks * limits.block_size} tokens")
+    bad = [t for t in drafts if not 0 <= t < limits.vocab_size]
+    if bad:
+        return f"draft token id(s) {', '.join(map(str, bad[:4]))} outside the vocabulary (0..{limits.vocab_size - 1})"
+    if isinstance(request, NewRequest):
+        host, masking = request.host, request.num_output_tokens < request.min_tokens and request.min_tokens_blocked_ids
+    else:
+        host, masking = request.host, request.blocked_token_ids
+    problem = (host.draft_problem if host is not None else None) or (
+        "min_tokens still masks its stop tokens" if masking else None)
+    if problem:
+        return f"carries draft tokens, but its sampling reads more than the logits ({problem}): they cannot be verified"
     return None
 
 

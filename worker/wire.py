@@ -30,7 +30,7 @@ def batch_from_pb(b: device_pb2.StepBatch) -> StepBatch:
                               _groups(c.groups))
                  for c in b.prefill],
         decode=[DecodeItem(d.request_id, d.token_id, d.position, list(d.new_block_ids), d.use_previous_token,
-                           d.token_bitmask, _groups(d.groups)) for d in b.decode],
+                           d.token_bitmask, _groups(d.groups), list(d.draft_token_ids)) for d in b.decode],
         async_readback=b.async_readback)
 
 
@@ -57,12 +57,15 @@ def _host_sampling(r: device_pb2.NewRequest) -> HostSampling | None:
 
 
 def _sampled_pb(request_id: str, token_id: int, r: StepResult) -> device_pb2.SampledToken:
-    sampled = device_pb2.SampledToken(request_id=request_id, token_id=token_id)
+    sampled = device_pb2.SampledToken(request_id=request_id, token_id=token_id,
+                                      num_accepted_drafts=r.num_accepted.get(request_id, 0))
     logprobs = r.logprobs.get(request_id)
     if logprobs is not None:
         sampled.logprob_token_ids.extend(logprobs.token_ids)
         sampled.logprobs.extend(logprobs.logprobs)
         sampled.rank = logprobs.rank
+    for draft in r.draft_logprobs.get(request_id, ()):
+        sampled.draft_logprobs.add(token_ids=draft.token_ids, logprobs=draft.logprobs, rank=draft.rank)
     return sampled
 
 
@@ -104,7 +107,8 @@ def description_to_pb(d: Description) -> device_pb2.DeviceDescription:
             single_execute_lanes=d.lanes_in_process),
         eos_token_ids=d.eos_token_ids, ready=d.ready, async_decode=d.async_decode,
         mixture_of_experts=d.mixture_of_experts, mrope=d.mrope,
-        supports_images=d.supports_images, image_token_id=d.image_token_id, dtype=d.dtype, draining=d.draining)
+        supports_images=d.supports_images, image_token_id=d.image_token_id, dtype=d.dtype, draining=d.draining,
+        supports_speculative_decoding=d.supports_speculative_decoding)
     if d.config is not None:
         pb.config.CopyFrom(config_to_pb(d.config))
         pb.num_blocks_per_lane = d.num_blocks_per_lane

@@ -40,6 +40,16 @@ class SimProfile:
         (l0, t0), (l1, t1) = self.prefill_points[i - 1], self.prefill_points[i]
         return max(t0 + (t1 - t0) * (padded_len - l0) / (l1 - l0), 0.001)
 
+    def verify_s(self, draft_tokens: int) -> float:
+        """A verify step of speculative decoding with `draft_tokens` drafts over its rows: the
+        traced decode step (its shape at full capacity, each row's fed token) plus the drafts'
+        compute at the marginal prefill cost per token (the slope between the first two published
+        prefill points). An assumption, not a published figure: it supposes the verify shape is
+        traced like decode, and that a step with more than one token a row stops being bound by
+        the weights alone."""
+        (l0, t0), (l1, t1) = self.prefill_points[:2]
+        return self.decode_step_s + draft_tokens * (t1 - t0) / (l1 - l0)
+
     def bucket(self, length: int) -> int:
         for b in self.prefill_buckets:
             if length <= b:
@@ -169,6 +179,18 @@ class SimModel:
         out = torch.where(positions >= 0, next_token(tokens.reshape(-1).long(), positions, self.vocab_size), 0)
         handle = SimOutput(out, SimEvent(self.device.launch(seconds)))
         return self.read_decode_output(handle) if read_from_device else handle
+
+    def verify_forward(self, tokens: torch.Tensor, start_pos: Any, page_table: Any = None, kv_cache: Any = None,
+                       num_tokens: Any = None, **_: Any) -> torch.Tensor:
+        """Speculative decoding's verify step (the reference models' contract): logits [B, S, V]
+        whose argmax at [i, j] is the token after row i's j-th token, at the profile's verify_s."""
+        starts = torch.as_tensor(start_pos).long().reshape(-1)
+        counts = torch.as_tensor(num_tokens).long().reshape(-1)
+        SimEvent(self.device.launch(self.profile.verify_s(int((counts - 1).clamp(min=0).sum())))).synchronize()
+        rows, width = tokens.shape
+        positions = starts[:, None] + torch.arange(width)[None, :]
+        out = next_token(tokens.long(), positions, self.vocab_size).reshape(-1)
+        return _one_hot_logits(out, self.vocab_size).reshape(rows, width, self.vocab_size)
 
     def read_decode_output(self, out: SimOutput, async_read: bool = False) -> Any:
         if async_read:

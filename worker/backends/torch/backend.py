@@ -114,6 +114,11 @@ class TorchBackend:
             pending.read = True
         return pending.result
 
+    def verify(self, model: Any, **inputs: Any) -> Any:
+        """The reference models' verify_forward (speculative decoding): eager, never traced (its
+        shapes change with every step's drafts); logits stay on the model's device."""
+        return model.verify_forward(**inputs)
+
     def reset(self) -> None:
         pass  # nothing of a decode outlives its readback
 

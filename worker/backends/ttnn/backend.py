@@ -429,6 +429,14 @@ class TtnnBackend:
     def decodes_in_flight(self) -> int:
         return self._in_flight
 
+    def verify(self, model: Any, **inputs: Any) -> Any:
+        """A class's `verify_forward` (speculative decoding; ttserve's reference-model contract:
+        logits [B, S, vocab] of every position). No tt-metal class declares one today, so the
+        worker reports no speculative decoding and gets no drafts; a class that declares it is
+        called here, its host logits read as a decode's are."""
+        with device_errors("verify"):
+            return host_output(model.verify_forward(**inputs))
+
     def reset(self) -> None:
         """The next decode reloads its inputs from the host (a new step stream's rows)."""
         self._inputs = None

@@ -31,6 +31,8 @@ The fast paths of llama.py, for this model:
   SwiGLU's loaded projections with gelu_tanh in place of silu.
 * Attention is llama.py's (SDPA over the paged cache, the per-layer window mask): the q/k norms
   and the query_pre_attn_scalar scale ride in the q/k/v projection (_NormedQKV).
+* Verify (verify_forward, speculative decoding): llama.py's, through this module's `_forward`,
+  which returns every position's logits when the plan asks (`_at`).
 * Static decode (enable_trace) and its CUDA graph (DecodeGraph): served. `_static_step` builds the
   full and sliding masks, and this module's `_forward` reads nothing back to the host.
 * Hybrid KV cache groups (`hybrid_kv_cache_groups`): on. The local and the global layers keep
@@ -55,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from .linear import Linear, SwiGLU
-from .llama import (CheckpointError, LlamaShape, TorchLlamaForCausalLM, _Checkpoint, _Layer, rope_tables,
+from .llama import (CheckpointError, LlamaShape, TorchLlamaForCausalLM, _at, _Checkpoint, _Layer, rope_tables,
                     _Step, _windows, contract_config)
 from .paged_kv import KVCache
 
@@ -248,7 +250,8 @@ class TorchGemma3ForCausalLM(TorchLlamaForCausalLM):
         ) for i, layer in enumerate(self.layers)]
 
     def _forward(self, step: _Step, kv_cache: KVCache) -> torch.Tensor:
-        """Runs every layer; returns float32 logits [B, vocab] of each row's last real token."""
+        """Runs every layer; returns float32 logits [B, vocab] of each row's last real token
+        (or [B, S, vocab] of each position: llama.py's _Step.last)."""
         s = self.shape
         eps = s.rms_norm_eps
         x = F.embedding(step.tokens, self.embed) * self._embed_scale
@@ -260,6 +263,5 @@ class TorchGemma3ForCausalLM(TorchLlamaForCausalLM):
             attended = self._attention(layer, _norm(x, layer.input_norm, eps), cos, sin, step, kv_cache, i)
             x = x + _norm(attended, layer.post_norm, eps)
             x = x + _norm(layer.mlp(_norm(x, layer.pre_ff_norm, eps)), layer.post_ff_norm, eps)
-        last = x[torch.arange(x.shape[0], device=x.device), step.last]
-        logits = self.lm_head(_norm(last, self.final_norm, eps))
+        logits = self.lm_head(_norm(_at(x, step.last), self.final_norm, eps))
         return _softcap(logits, s.final_logit_softcapping).float()

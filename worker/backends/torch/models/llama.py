@@ -19,6 +19,9 @@ The contract is the one tt-metal's models expose to serving systems
   row of prefill user i, which selects its lane.
 * Decode. One token per row at position start_pos[r]; start_pos -1 marks an empty row, which
   writes no KV and whose output is garbage.
+* Verify (speculative decoding). verify_forward computes a few tokens per row at once, a decode
+  row's fed token and its draft tokens at the positions after it, and returns the logits of every
+  one of them: chunked prefill's computation with every position's logits kept.
 * Decode traces. With enable_trace, decode runs static shapes (every row of every lane, the whole
   page table), as a device replays its trace: a CUDA graph on CUDA (captured by
   warmup_model_decode), the same shapes eagerly on a CPU. Empty rows then write their K/V into a
@@ -226,7 +229,9 @@ class _Step:
 
     tokens: torch.Tensor        # [B, S] token ids computed now
     positions: torch.Tensor     # [B, S] absolute positions (clamped into the RoPE table)
-    last: torch.Tensor          # [B] index in S of each row's last real token
+    # [B] index in S of each row's last real token, whose logits the forward returns; or [B, S']
+    # (verify_forward: every position's logits, [B, S', vocab]).
+    last: torch.Tensor
     # sliding? -> [B, 1, group*S, T]: 0 where a query may attend a key, -inf elsewhere (in the
     # model's dtype, built once per step: SDPA would convert a bool mask in every layer), repeated
     # for the `group` query heads that share a KV head (the GQA layout of _attention).
@@ -248,7 +253,9 @@ class _Packed:
 
     tokens: torch.Tensor        # [T] token ids
     positions: torch.Tensor     # [T] absolute positions
-    last: torch.Tensor          # [B] index in T of each row's last token (in the caller's row order)
+    # [B] index in T of each row's last token (in the caller's row order), or [B, S] of each
+    # row's every position (_Step.last's two forms; a padding position repeats the row's last).
+    last: torch.Tensor
     lanes: list[tuple[int, cpu_kernels.Attention]]
 
 
@@ -518,6 +525,36 @@ class TorchLlamaForCausalLM:
             out[live_dev, 0] = logits
         return self.read_decode_output(out) if read_from_device else out
 
+    @torch.inference_mode()
+    def verify_forward(self, tokens: torch.Tensor, start_pos: Sequence[int] | torch.Tensor,
+                       page_table: torch.Tensor, kv_cache: KVCache, num_tokens: Sequence[int] | torch.Tensor,
+                       page_tables_per_layer: Sequence[torch.Tensor] | None = None,
+                       empty_slots: Sequence[int] | None = None, **_: Any) -> torch.Tensor:
+        """Speculative decoding's verify step: row i computes tokens[i, :num_tokens[i]] at
+        positions start_pos[i] .. start_pos[i] + num_tokens[i] - 1 (a decode row's fed token, then
+        its draft tokens), writing their K/V into the paged cache, in one forward.
+
+        Returns float32 logits [B, S, vocab] of every position, on the model's device: [i, j] is
+        the distribution after row i's j-th token (padding positions past num_tokens[i]: garbage).
+        Row i is batch row empty_slots[i] (default i), whose lane is row // max_batch_size and,
+        for mRoPE models, whose rope delta applies, as in decode_forward; page_table (and each of
+        page_tables_per_layer) holds the B rows in the same order. KV a caller later rejects (its
+        drafts) stays in the cache and is overwritten when those positions are computed again.
+        """
+        batch, width = tokens.shape
+        start = _long(start_pos, batch)
+        count = _long(num_tokens, batch)
+        slots = list(range(batch)) if empty_slots is None else [int(s) for s in empty_slots]
+        if len(slots) != batch:
+            raise ValueError(f"empty_slots has {len(slots)} rows, tokens has {batch}")
+        if batch and (bool((start < 0).any()) or bool((count < 1).any()) or int(count.max()) > width):
+            raise ValueError(f"need start_pos >= 0 and 1 <= num_tokens <= {width} (tokens' columns), got "
+                             f"{start.tolist()} and {count.tolist()}")
+        return self._run(tokens.cpu().long(), start, start + count, page_table,
+                         [s // self.max_batch_size for s in slots], kv_cache,
+                         rope_offset=self._decode_rope_offset(torch.tensor(slots, dtype=torch.long)),
+                         layer_tables=self._layer_tables(page_tables_per_layer), every=True)
+
     def read_decode_output(self, out: torch.Tensor, async_read: bool = False
                            ) -> torch.Tensor | tuple[torch.Tensor, list]:
         """Brings a decode result to the host. An asynchronous read from CUDA comes with the
@@ -623,28 +660,30 @@ class TorchLlamaForCausalLM:
 
     def _run(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache,
-             rope_offset: torch.Tensor | None = None, layer_tables: list[torch.Tensor] | None = None
-             ) -> torch.Tensor:
-        """Float32 logits [B, vocab] of each row's last token of chunk_tokens [B, S] (row i
-        computes positions start[i]..end[i], rotated `rope_offset` further; layer i paging
-        through layer_tables[i] when given), on the kernels' path when the cache is theirs (never
-        with a rope offset: mRoPE models run plain torch; never with per-layer tables:
-        allocate_kv_cache_per_layer never makes their cache)."""
+             rope_offset: torch.Tensor | None = None, layer_tables: list[torch.Tensor] | None = None,
+             every: bool = False) -> torch.Tensor:
+        """Float32 logits [B, vocab] of each row's last token of chunk_tokens [B, S], or with
+        `every` [B, S, vocab] of each position (row i computes positions start[i]..end[i], rotated
+        `rope_offset` further; layer i paging through layer_tables[i] when given), on the
+        kernels' path when the cache is theirs (never with a rope offset: mRoPE models run plain
+        torch; never with per-layer tables: allocate_kv_cache_per_layer never makes their cache)."""
         if self.kernel_isa and _kernel_layout(kv_cache):
             assert rope_offset is None, "the CPU kernels' path rotates at sequence positions"
             if layer_tables is not None:
                 raise ValueError("page_tables_per_layer needs a cache from allocate_kv_cache_per_layer; "
                                  "this one is the vLLM CPU kernels' (allocate_kv_cache)")
             return self._forward_packed(self._pack(chunk_tokens, start, end, page_table, lane_of_row,
-                                                   kv_cache), kv_cache)
+                                                   kv_cache, every), kv_cache)
         return self._forward(self._plan(chunk_tokens, start, end, page_table, lane_of_row, kv_cache,
-                                        rope_offset, layer_tables), kv_cache)
+                                        rope_offset, layer_tables, every), kv_cache)
 
     def _pack(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache) -> _Packed:
+              page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache,
+              every: bool = False) -> _Packed:
         """The packed plan: row i's real tokens chunk_tokens[i, :end[i] - start[i]], rows in
-        lane order (each lane's tokens one contiguous range), with each token's cache slot."""
-        batch = chunk_tokens.shape[0]
+        lane order (each lane's tokens one contiguous range), with each token's cache slot; the
+        logits of each row's last token, or with `every` of each of its positions."""
+        batch, width = chunk_tokens.shape
         cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
         if batch and int(end.max()) > self.max_seq_len:
             raise ValueError(f"position {int(end.max()) - 1} is beyond max_seq_len={self.max_seq_len}")
@@ -660,8 +699,12 @@ class TorchLlamaForCausalLM:
         row_of = torch.repeat_interleave(order, lens_o)
         within = torch.arange(int(lens_o.sum())) - torch.repeat_interleave(first, lens_o)
         positions = start[row_of] + within
-        last = torch.empty(batch, dtype=torch.long)
-        last[order] = (first + lens_o - 1).clamp(min=0)
+        last_o = (first + lens_o - 1).clamp(min=0)
+        if every:  # position j of each row; past its length, its last token again (inside T)
+            within_row = torch.minimum(torch.arange(width)[None, :], (lens_o - 1).clamp(min=0)[:, None])
+            last_o = (first[:, None] + within_row).clamp(max=max(int(lens_o.sum()) - 1, 0))
+        last = torch.empty_like(last_o)
+        last[order] = last_o
         lanes = []
         lane_o = lane_rows[order]
         for lane in sorted(set(lane_of_row)):
@@ -710,11 +753,12 @@ class TorchLlamaForCausalLM:
 
     def _plan(self, chunk_tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
               page_table: torch.Tensor, lane_of_row: list[int], kv_cache: KVCache,
-              rope_offset: torch.Tensor | None = None, layer_tables: list[torch.Tensor] | None = None
-              ) -> _Step:
+              rope_offset: torch.Tensor | None = None, layer_tables: list[torch.Tensor] | None = None,
+              every: bool = False) -> _Step:
         """Builds the index plan: rows [B] compute chunk_tokens [B, S] at positions start..end
         (rotated at those positions plus `rope_offset` [B], when given), every layer paging
-        through page_table, or layer i through layer_tables[i] (rows as page_table's)."""
+        through page_table, or layer i through layer_tables[i] (rows as page_table's); the
+        forward returns each row's last token's logits, or with `every` each position's."""
         batch, width = chunk_tokens.shape
         cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
         if batch and int(end.max()) > self.max_seq_len:
@@ -764,22 +808,22 @@ class TorchLlamaForCausalLM:
             tokens=chunk_tokens.to(dev),
             positions=(positions if rope_offset is None else positions + rope_offset.cpu().long()[:, None])
             .clamp(0, self.max_seq_len - 1).to(dev),
-            last=(end - start - 1).clamp(min=0).to(dev),
+            last=(offsets.expand(batch, width) if every else (end - start - 1).clamp(min=0)).to(dev),
             masks={k: _additive(v.to(dev), self.dtype) for k, v in masks.items()},
             lanes=lanes,
             paging=_each_distinct(sources, paging),
         )
 
     def _forward(self, step: _Step, kv_cache: KVCache) -> torch.Tensor:
-        """Runs every layer; returns float32 logits [B, vocab] of each row's last real token."""
+        """Runs every layer; returns float32 logits [B, vocab] of each row's last real token
+        (or [B, S, vocab] of each position: _Step.last)."""
         eps = self.shape.rms_norm_eps
         x = F.embedding(step.tokens, self.embed) if step.embeds is None else step.embeds
         cos, sin = self._rope(step)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer, _rms_norm(x, layer.input_norm, eps), cos, sin, step, kv_cache, i)
             x = x + layer.mlp(_rms_norm(x, layer.post_norm, eps))
-        last = x[torch.arange(x.shape[0], device=x.device), step.last]
-        return self.lm_head(_rms_norm(last, self.final_norm, eps)).float()
+        return self.lm_head(_rms_norm(_at(x, step.last), self.final_norm, eps)).float()
 
     def _rope(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, S, 1, head_dim] of the step's positions (sin sign-folded, see __init__)."""
@@ -828,6 +872,12 @@ class TorchLlamaForCausalLM:
                 out[rows] = o
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, width, s.num_heads * s.head_dim)
         return layer.o(out)
+
+
+def _at(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The hidden states x [B, S, H] at _Step.last: [B] -> [B, H]; [B, S'] -> [B, S', H]."""
+    rows = torch.arange(x.shape[0], device=x.device)
+    return x[rows, last] if last.dim() == 1 else x[rows[:, None], last]
 
 
 def _each_distinct(tables: Sequence[torch.Tensor], build: Callable[[torch.Tensor], Built]) -> list[Built]:

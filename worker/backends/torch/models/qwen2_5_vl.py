@@ -270,12 +270,25 @@ class TorchQwen2_5_VLForConditionalGeneration(TorchQwen2ForCausalLM):
         """As TorchLlamaForCausalLM.decode_forward; row r rotates at start_pos[r] + its rope delta.
         Always eager over the live rows: per-row rope deltas are not in the static decode."""
         del enable_trace
-        if rope_deltas_all_users is not None:
-            deltas = torch.as_tensor(list(rope_deltas_all_users), dtype=torch.long).reshape(-1)
-            self._rope_deltas[:len(deltas)] = deltas
+        self._take_rope_deltas(rope_deltas_all_users)
         return super().decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace=False,
                                       read_from_device=read_from_device, sampling_params=sampling_params,
                                       **kwargs)
+
+    @torch.inference_mode()
+    def verify_forward(self, tokens: torch.Tensor, start_pos: Sequence[int] | torch.Tensor,
+                       page_table: torch.Tensor, kv_cache: KVCache, num_tokens: Sequence[int] | torch.Tensor,
+                       rope_deltas_all_users: Sequence[int] | None = None, **kwargs: Any) -> torch.Tensor:
+        """As TorchLlamaForCausalLM.verify_forward; row i rotates its positions by batch row
+        empty_slots[i]'s rope delta (rope_deltas_all_users: as decode_forward's)."""
+        self._take_rope_deltas(rope_deltas_all_users)
+        return super().verify_forward(tokens, start_pos, page_table, kv_cache, num_tokens, **kwargs)
+
+    def _take_rope_deltas(self, rope_deltas_all_users: Sequence[int] | None) -> None:
+        """Every batch row's rope delta, when the caller sends them (None: unchanged)."""
+        if rope_deltas_all_users is not None:
+            deltas = torch.as_tensor(list(rope_deltas_all_users), dtype=torch.long).reshape(-1)
+            self._rope_deltas[:len(deltas)] = deltas
 
     # --- internals ---------------------------------------------------------------------------
 
