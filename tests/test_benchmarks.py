@@ -34,7 +34,7 @@ EXPECTED = {
                           r"\| refused\s+\| 0\s+\| [1-9]"],
     # Exits 1 when a request's tokens differ with speculation.
     "spec_decode.py": [r'"copy_speedup_ratio": [0-9.]+', r'"random_speedup_ratio": [0-9.]+',
-                       r'"identical_tokens": true', r'"acceptance_per_position": \[[0-9.]'],
+                       r'"identical_tokens": true', r'"acceptance_per_position": \[\s*[0-9.]'],
     "vs_vllm.py": [r"\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", r"\| 4 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|",
                    r"ratio start-up ttserve / vLLM: [0-9.]+", r"ttserve: start-up to serving [0-9.]+ s"],
 }
