@@ -30,19 +30,8 @@ DECODE_STEPS = 40
 # Blocks are handed out in this order within a row: the sliding groups first, so what one
 # sliding group frees goes to the other (and, across rows, to the other row).
 GROUPS = {"sliding-a": (0, 1), "sliding-b": (3, 4), "full": (2, 5)}
-TEXT = ("The history of the Roman Empire began when the city of Rome, founded on seven hills by the twins "
-        "Romulus and Remus, grew from a small village into the capital of an empire that spanned three "
-        "continents and lasted for more than a thousand years, until its last emperor was deposed.")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread(single_torch_thread):
-    """Memory-bound on a CPU, as the text models (conftest.single_torch_thread)."""
-
-
-@pytest.fixture(scope="module")
-def config(tiny_gemma3) -> dict:
-    return ModelRunner.read_config(tiny_gemma3)
+# The oracle text, one torch thread and the checkpoint's config: test_gemma3_reference's.
+from test_gemma3_reference import TEXT, config, one_torch_thread  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from ttserve.worker.backends.torch.models.gemma3 import TorchGemma3ForCausalLM
 from ttserve.worker.backends.torch.models.llama import TorchLlamaForCausalLM
 from ttserve.worker.kv_groups import group_layers, uniform
 
+from test_lanes import step  # one step of a lane group, every row sampling token 7
+
 EOS = 2
 S, F = "sliding_attention", "full_attention"
 
@@ -80,14 +82,6 @@ def lane(num_blocks: int = 64, block_size: int = 4, windows=(0, 8, 8), caching: 
          max_num_seqs: int = 4, budget: int = 8, max_model_len: int = 64) -> LaneGroup:
     config = SchedulerConfig(max_num_seqs, budget, max_model_len)
     return LaneGroup([Scheduler(config, BlockPool(num_blocks, block_size, caching, windows))], PhasePolicy(2))
-
-
-def step(g: LaneGroup, token: int = 7):
-    plan = g.schedule()
-    sampled = {w.request.request_id: token for p in plan.lanes for w in p.prefill if w.sample}
-    sampled |= {w.request.request_id: token for p in plan.lanes for w in p.decode}
-    g.update(plan, sampled)
-    return plan
 
 
 def check_tables(g: LaneGroup) -> None:
