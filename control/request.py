@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
+from ttserve.host_sampling import TokenLogprobs, draft_problem, has_penalties, needs_host_sampler
 
 from .images import ImageInput, block_extras
 from .prefix_hash import chain_hashes
@@ -194,10 +194,8 @@ class Request:
         grammar, no option that reads the token history (penalties, bad words) or reshapes the
         logits beyond temperature, top-k, top-p and min-p (bias, allowed ids), and min_tokens no
         longer masking EOS. Logprobs are returned for every accepted token."""
-        s = self.sampling
-        return (self.grammar_spec is None and not s.has_penalties and not s.logit_bias
-                and not s.allowed_token_ids and not s.bad_words
-                and s.min_tokens <= len(self.output_token_ids))
+        return (self.grammar_spec is None and draft_problem(self.sampling) is None
+                and self.sampling.min_tokens <= len(self.output_token_ids))
 
     @property
     def is_finished(self) -> bool:

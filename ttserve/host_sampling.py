@@ -31,6 +31,21 @@ def needs_host_sampler(options: HostOptions) -> bool:
                 or options.allowed_token_ids or options.bad_words or options.logprobs is not None)
 
 
+def draft_problem(options: HostOptions) -> str | None:
+    """Why a request's draft tokens cannot be verified (speculative decoding), None when they
+    can: a verify step judges a draft by the row's distribution from the logits alone, so an
+    option that reads the token history (penalties, bad words) or reshapes the logits beyond
+    temperature, top-k, top-p and min-p (bias, allowed ids) rules drafts out; min-p and logprobs
+    do not. The control plane proposes none then; the worker refuses any that arrive."""
+    if has_penalties(options):
+        return "penalties (they read the token history, which the drafts extend)"
+    if options.bad_words:
+        return "bad words (they read the token history, which the drafts extend)"
+    if options.logit_bias or options.allowed_token_ids:
+        return "logit_bias or allowed_token_ids"
+    return None
+
+
 @dataclass(slots=True)
 class TokenLogprobs:
     """Logprobs of one sampled token: the sampled token first, then the top-k, most likely

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ttserve.host_sampling import TokenLogprobs, has_penalties, needs_host_sampler
+from ttserve.host_sampling import TokenLogprobs, draft_problem, has_penalties, needs_host_sampler
 
 __all__ = ["DecodeItem", "Description", "GroupBlocks", "HostSampling", "ImageInput", "NewRequest", "PrefillChunk",
            "ServingConfig", "StepBatch", "StepResult", "TokenLogprobs"]
@@ -38,18 +38,8 @@ class HostSampling:
 
     @property
     def draft_problem(self) -> str | None:
-        """Why this request's draft tokens cannot be verified (speculative decoding), None when
-        they can: a verify step judges a draft by the row's distribution from the logits alone,
-        so an option that reads the token history (penalties, bad words) or reshapes the logits
-        beyond temperature, top-k, top-p and min-p (bias, allowed ids) rules drafts out; min-p
-        and logprobs do not. The control plane's rule (control/request.py `can_speculate`)."""
-        if self.has_penalties:
-            return "penalties (they read the token history, which the drafts extend)"
-        if self.bad_words:
-            return "bad words (they read the token history, which the drafts extend)"
-        if self.logit_bias or self.allowed_token_ids:
-            return "logit_bias or allowed_token_ids"
-        return None
+        """Why its draft tokens cannot be verified (ttserve/host_sampling.py `draft_problem`)."""
+        return draft_problem(self)
 
 
 @dataclass(slots=True)

@@ -606,9 +606,7 @@ class ModelRunner:
         sampling = _sampling_batch(by_row, masks)
         on_device = self._samples_on_device("decode", [s for s in by_row if s], True, any(masks))
         launched.result.sampled_on_device = on_device
-        # mRoPE: every row's rope delta, an authoritative list by row (tt-metal's
-        # rope_deltas_all_users; the plugin sends it whenever its batch changed).
-        rope = {"rope_deltas_all_users": [s.rope_delta if s else 0 for s in by_row]} if self.uses_mrope else {}
+        rope = self._rope_deltas(by_row)
         pending = self.backend.launch_decode(
             self.model, self.backend.sampling_params(sampling, [s.seed if s else None for s in by_row])
             if on_device else None, tokens=tokens, start_pos=positions, page_table=self._page_table,
@@ -641,6 +639,11 @@ class ModelRunner:
             result.logprobs = {rid: lp for rid in result.tokens
                                if (lp := row_logprobs.get(self._requests[rid].row)) is not None}
 
+    def _rope_deltas(self, by_row: list[RequestState | None]) -> dict[str, list[int]]:
+        """An mRoPE model's `rope_deltas_all_users`: every row's rope delta, by row (tt-metal's
+        authoritative list; the plugin sends it whenever its batch changed); {} otherwise."""
+        return {"rope_deltas_all_users": [s.rope_delta if s else 0 for s in by_row]} if self.uses_mrope else {}
+
     def _verify(self, items: list[DecodeItem], result: StepResult) -> None:
         """A decode step with draft tokens (speculative decoding, device.proto
         DecodeItem.draft_token_ids): one `verify` forward over the step's rows, row i feeding its
@@ -667,12 +670,10 @@ class ModelRunner:
         for i, token in enumerate(fed):
             tokens[i, :1 + len(drafts[i])] = torch.tensor([token, *drafts[i]], dtype=torch.long)
         all_rows = self.config.num_lanes * self.config.max_num_seqs
-        rope: dict[str, list[int]] = {}
-        if self.uses_mrope:  # every row's, by row, as a decode sends them
-            deltas = [0] * all_rows
-            for state in states:
-                deltas[state.row] = state.rope_delta
-            rope = {"rope_deltas_all_users": deltas}
+        by_row: list[RequestState | None] = [None] * all_rows
+        for state in states:
+            by_row[state.row] = state
+        rope = self._rope_deltas(by_row)
         logits = self.backend.verify(
             self.model, tokens=tokens, start_pos=torch.tensor([item.position for item in items]),
             page_table=self._page_table[rows], kv_cache=self.kv_cache,
