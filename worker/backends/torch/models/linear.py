@@ -8,6 +8,15 @@ rows) is bound by reading the weight, and on a 2-core Xeon with AMX, SmolLM2's M
 from ~13 to ~21 GB/s (the host's copy bandwidth) packed once at load.
 float32 keeps plain F.linear: it must stay bit-for-bit the textbook computation the transformers
 oracle is compared with.
+
+Batch invariance (`batch_invariant`, the worker's --batch-invariant): oneDNN picks its kernel by
+the row count, and for a reduction longer than ~1024 inputs the kernels of few and of many rows
+sum in different orders (measured on the 2-core Xeon: SmolLM2's down projection, 1536 inputs,
+gave other bf16 bits for 1-15 rows than for 16 or more). A row's result then depends on how many
+rows share its step, so speculative decoding's verify step (1 + k rows per request) and batching
+flip near-ties of greedy decoding. Sliced into reductions of at most SPLIT_K inputs, every
+slice's kernels agree at any row count, and the slices' partial products are added in a fixed
+order: each row's bits are its own. `rows_invariant` checks it on this host at load.
 """
 from __future__ import annotations
 
@@ -19,6 +28,14 @@ import torch.nn.functional as F
 from . import cpu_kernels
 
 Kind = Literal["onednn", "packed", "plain"]  # cpu_kernels.MatMul, mkldnn's packed linear, F.linear
+
+# The widest reduction one oneDNN GEMM computes in batch-invariant mode: measured invariant from 1
+# to 2048 rows up to 1024 inputs, not at 1088 (576 outputs, bf16, AMX Xeon).
+SPLIT_K = 1024
+
+
+class BatchInvarianceError(ValueError):
+    """The GEMMs cannot give each row bits independent of the batch here."""
 
 
 def _kind(weight: torch.Tensor) -> Kind:
@@ -35,13 +52,20 @@ class Linear:
 
     __slots__ = ("weight", "bias", "kind", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 batch_invariant: bool = False) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
         self.kind = _kind(weight)
+        if batch_invariant and self.kind != "onednn":
+            raise BatchInvarianceError(
+                f"batch invariance needs vLLM CPU's oneDNN matmul for every weight: "
+                f"{cpu_kernels.gemm_unavailable(weight) or 'unavailable'}")
         # onednn: the handler holds its own copy; packed: an opaque mkldnn tensor that only
         # _linear_pointwise reads.
-        if self.kind == "onednn":
+        if batch_invariant and weight.shape[1] > SPLIT_K:
+            self.weight = SplitMatMul(weight, bias)
+        elif self.kind == "onednn":
             self.weight = cpu_kernels.MatMul(weight, bias)
         elif self.kind == "packed":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -54,6 +78,40 @@ class Linear:
         if self.kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class SplitMatMul:
+    """y = x W^T (+ b) as sum_s x[:, s] W[:, s]^T over slices s of at most SPLIT_K inputs, added
+    left to right in the activations' dtype: every slice's GEMM gives a row the same bits at any
+    row count (module docstring)."""
+
+    __slots__ = ("parts", "bounds", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        width = weight.shape[1]
+        count = -(-width // SPLIT_K)
+        step = -(-width // count)  # equal slices: 1536 -> 2 x 768
+        self.bounds = [(lo, min(lo + step, width)) for lo in range(0, width, step)]
+        self.parts = [cpu_kernels.MatMul(weight[:, lo:hi].contiguous(), bias if lo == 0 else None)
+                      for lo, hi in self.bounds]
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        (lo, hi), *rest = self.bounds
+        out = self.parts[0](x[..., lo:hi].contiguous())
+        for part, (lo, hi) in zip(self.parts[1:], rest):
+            out += part(x[..., lo:hi].contiguous())
+        return out
+
+
+def rows_invariant(linear: "Linear | SplitMatMul", in_features: int, dtype: torch.dtype,
+                   rows: int = 33) -> bool:
+    """Whether each of `rows` random rows gets the same bits alone as in one GEMM of all of
+    them (and of 2, and of 17): what batch invariance needs of this weight's kernels here."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    alone = torch.cat([linear(x[r:r + 1]) for r in range(rows)])
+    return all(torch.equal(linear(x[:m]), alone[:m]) for m in (2, 17, rows))
 
 
 class SwiGLU:
@@ -69,13 +127,15 @@ class SwiGLU:
 
     __slots__ = ("kind", "gate", "up", "gate_up", "down")
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 batch_invariant: bool = False) -> None:
         self.kind = _kind(gate)
-        self.down = Linear(down)
+        self.down = Linear(down, batch_invariant=batch_invariant)
         if self.kind == "plain":
-            self.gate_up = Linear(torch.cat([gate, up]))
+            self.gate_up = Linear(torch.cat([gate, up]), batch_invariant=batch_invariant)
         else:
-            self.gate, self.up = Linear(gate), Linear(up)
+            self.gate = Linear(gate, batch_invariant=batch_invariant)
+            self.up = Linear(up, batch_invariant=batch_invariant)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "onednn":

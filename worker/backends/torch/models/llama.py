@@ -55,7 +55,7 @@ from ttserve.worker.sampling import SamplingBatch, sample
 
 from . import cpu_kernels, paged_kv
 from .decode_graph import DecodeGraph
-from .linear import Linear, SwiGLU
+from .linear import BatchInvarianceError, Linear, SwiGLU, rows_invariant
 from .paged_kv import KVCache
 
 
@@ -287,10 +287,14 @@ class TorchLlamaForCausalLM:
     hybrid_kv_cache_groups: bool = False
 
     def __init__(self, shape: LlamaShape, state: Mapping[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int) -> None:
+                 dtype: torch.dtype, max_batch_size: int, max_seq_len: int, lanes: int,
+                 batch_invariant: bool = False) -> None:
         self.shape = shape
         self.device = device
         self.dtype = dtype
+        # Each row's bits independent of the rest of its step (linear.py, cpu_kernels.Attention):
+        # the kernels' path only, checked at load and at allocate_kv_cache.
+        self.batch_invariant = batch_invariant
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.lanes = lanes
@@ -304,13 +308,16 @@ class TorchLlamaForCausalLM:
     @classmethod
     def initialize_vllm_model(cls, hf_config: Any, mesh_device: torch.device, max_batch_size: int,
                               max_seq_len: int, tt_data_parallel: int = 1, *, model_path: str,
-                              dtype: torch.dtype = torch.float32) -> TorchLlamaForCausalLM:
-        """Loads the checkpoint at `model_path`; `hf_config` is its parsed config.json."""
+                              dtype: torch.dtype = torch.float32,
+                              batch_invariant: bool = False) -> TorchLlamaForCausalLM:
+        """Loads the checkpoint at `model_path`; `hf_config` is its parsed config.json.
+        batch_invariant (ttserve's, not the contract's): every row's logits are the same bits
+        whatever else its step computes (the worker's --batch-invariant)."""
         config = contract_config(hf_config, max_batch_size, max_seq_len, tt_data_parallel)
         shape = LlamaShape.from_config(config)
         state = _Checkpoint(Path(model_path))
         return cls(shape, state, torch.device(mesh_device), dtype, max_batch_size, max_seq_len,
-                   tt_data_parallel)
+                   tt_data_parallel, batch_invariant)
 
     @classmethod
     def kv_layer_windows(cls, hf_config: Mapping[str, Any]) -> list[int]:
@@ -337,11 +344,15 @@ class TorchLlamaForCausalLM:
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
+        invariant = self.batch_invariant
+        if invariant and not self.allows_cpu_kernels:
+            raise BatchInvarianceError(f"batch invariance needs vLLM CPU's kernels; {type(self).__name__}: "
+                                       f"{self.no_cpu_kernels_reason}")
         tie = self.shape.tie_word_embeddings
         if tie or (tie is None and "lm_head.weight" not in state):
-            self.lm_head = Linear(self.embed)
+            self.lm_head = Linear(self.embed, batch_invariant=invariant)
         else:
-            self.lm_head = Linear(take("lm_head.weight"))
+            self.lm_head = Linear(take("lm_head.weight"), batch_invariant=invariant)
         self.layers = []
         for i in range(self.shape.num_layers):
             p = f"model.layers.{i}"
@@ -349,14 +360,32 @@ class TorchLlamaForCausalLM:
             self.layers.append(_Layer(
                 input_norm=take(f"{p}.input_layernorm.weight"),
                 qkv=Linear(torch.cat([take(f"{p}.self_attn.{n}_proj.weight") for n in "qkv"]),
-                           torch.cat(biases) if all(b is not None for b in biases) else None),
+                           torch.cat(biases) if all(b is not None for b in biases) else None,
+                           batch_invariant=invariant),
                 q_norm=maybe(f"{p}.self_attn.q_norm.weight"),
                 k_norm=maybe(f"{p}.self_attn.k_norm.weight"),
-                o=Linear(take(f"{p}.self_attn.o_proj.weight"), maybe(f"{p}.self_attn.o_proj.bias")),
+                o=Linear(take(f"{p}.self_attn.o_proj.weight"), maybe(f"{p}.self_attn.o_proj.bias"),
+                         batch_invariant=invariant),
                 post_norm=take(f"{p}.post_attention_layernorm.weight"),
                 mlp=SwiGLU(take(f"{p}.mlp.gate_proj.weight"), take(f"{p}.mlp.up_proj.weight"),
-                           take(f"{p}.mlp.down_proj.weight")),
+                           take(f"{p}.mlp.down_proj.weight"), batch_invariant=invariant),
             ))
+        if invariant:
+            self._check_rows_invariant()
+
+    def _check_rows_invariant(self) -> None:
+        """Every distinct GEMM shape of layer 0 and the head, run alone and batched on this
+        host's kernels: refuses to serve when a row's bits depend on its batch after all."""
+        layer = self.layers[0]
+        gemms = [("lm_head", self.lm_head, self.shape.hidden_size), ("qkv", layer.qkv, self.shape.hidden_size),
+                 ("o_proj", layer.o, self.shape.num_heads * self.shape.head_dim),
+                 ("gate_proj", layer.mlp.gate, self.shape.hidden_size),
+                 ("down_proj", layer.mlp.down, self.shape.intermediate_size)]
+        for name, gemm, width in gemms:
+            if not rows_invariant(gemm, width, self.dtype):
+                raise BatchInvarianceError(
+                    f"batch invariance: {name} ({gemm.out_features} x {width}, {self.dtype}) gives rows "
+                    "other bits in a batch than alone on this host's oneDNN; serve without --batch-invariant")
 
     # --- contract: cache ---------------------------------------------------------------------
 
@@ -370,6 +399,8 @@ class TorchLlamaForCausalLM:
         why = (f"the KV cache's {dtype} is not the model's {self.dtype}" if dtype != self.dtype else
                f"{type(self).__name__}: {self.no_cpu_kernels_reason}" if not self.allows_cpu_kernels
                else cpu_kernels.unavailable(self.device, dtype, block_size, head_dim, self.shape.sliding_window))
+        if why and self.batch_invariant:
+            raise BatchInvarianceError(f"batch invariance needs vLLM CPU's attention kernel: {why}")
         if not why:
             self.kernel_isa = cpu_kernels.isa(dtype, block_size, head_dim)
             log.info("attention, norms and RoPE run vLLM CPU's kernels (%s)", self.kernel_isa)
@@ -404,6 +435,9 @@ class TorchLlamaForCausalLM:
         blocks, kv_heads, block_size, head_dim = self._check_kv_shape(shape, len(specs))
         # Dense storage indices: the plugin numbers its buffers 0..n-1, tt-metal only keys by them.
         dense = {t: i for i, t in enumerate(sorted({int(t) for _, _, t in specs}))}
+        if self.batch_invariant:
+            raise BatchInvarianceError("batch invariance needs vLLM CPU's attention kernel, which takes no "
+                                       "per-layer KV buffers (hybrid KV cache groups)")
         self.kernel_isa = ""
         if self.device.type == "cpu" and dtype != torch.float32:
             log.info("attention, norms and RoPE run plain torch: per-layer KV buffers are paged_kv.py's")
@@ -716,7 +750,7 @@ class TorchLlamaForCausalLM:
             slots = pt[row_of[lo:hi], pos // block_size] * block_size + pos % block_size
             lanes.append((lane, cpu_kernels.Attention.plan(
                 lo, hi, slots, lens[rows], end[rows], table, s.num_heads, s.num_kv_heads, s.head_dim,
-                self.dtype, self.kernel_isa)))
+                self.dtype, self.kernel_isa, kv_split=not self.batch_invariant)))
         return _Packed(chunk_tokens[row_of, within], positions, last, lanes)
 
     def _forward_packed(self, step: _Packed, kv_cache: KVCache) -> torch.Tensor:
