@@ -22,7 +22,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 EXPECTED = {
     "scheduler_cost.py": [r'"ratio": [0-9.]+', r'"ratio_with_step_proto": [0-9.]+'],
     "phase_policy.py": [r'"worst_itl_ratio": [0-9.]+', r'"burst_ttft_ratio": [0-9.]+'],
-    "metrics_cost.py": [r'"ttserve_over_baseline": [0-9.]+', r'"naive_over_baseline": [0-9.]+'],
+    "metrics_cost.py": [r'"ttserve_over_baseline": [0-9.]+', r'"naive_over_baseline": [0-9.]+',
+                        r'"tracing_off_over_baseline": [0-9.]+', r'"tracing_off_ns_per_request": -?[0-9.]+'],
     "sim_decode.py": [r'"ratio_to_limit": [0-9.]+'],
     "lanes.py": [r'"ratio_vs_1_lane": [0-9.]+'],
     "throughput.py": [r'"ratio_single_vs_transformers": [0-9.]+', r'"ratio_concurrent_vs_single": [0-9.]+'],
@@ -33,8 +34,9 @@ EXPECTED = {
     "payload_memory.py": [r"\| largest step message, MiB\s+\| [0-9.]+", r"\| step failures\s+\| 0\s+\| 0\s+\|",
                           r"\| refused\s+\| 0\s+\| [1-9]"],
     # Exits 1 when a request's tokens differ with speculation.
-    "spec_decode.py": [r'"copy_speedup_ratio": [0-9.]+', r'"random_speedup_ratio": [0-9.]+',
-                       r'"identical_tokens": true', r'"acceptance_per_position": \[\s*[0-9.]'],
+    "spec_decode.py": [r'"copy_speedup_ratio": [0-9.]+', r'"open_speedup_ratio": [0-9.]+',
+                       r'"random_speedup_ratio": [0-9.]+', r'"identical_tokens": true',
+                       r'"acceptance_per_position": \[\s*[0-9.]'],
     "vs_vllm.py": [r"\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", r"\| 4 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|",
                    r"ratio start-up ttserve / vLLM: [0-9.]+", r"ttserve: start-up to serving [0-9.]+ s"],
 }
