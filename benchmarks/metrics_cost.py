@@ -7,8 +7,14 @@ Every step, each running request gains one token, and the engine both publishes 
   - baseline: output_of and output_to_pb for every request (work the control plane does anyway);
   - ttserve:  Request.record_tokens and ControlMetrics.progressed for every request (the arrival
               recorded on the request, then TokenHistogram and plain tallies);
-  - naive:    the same observations through prometheus_client's Histogram and labelled Counter.
-Reports microseconds per step and the ratios ttserve / baseline and naive / baseline.
+  - naive:    the same observations through prometheus_client's Histogram and labelled Counter;
+  - tracing_off: what request tracing adds per request with --otlp-traces-endpoint unset (the step
+              batch's `request.trace` test, control/wire.py; the worker group's `tracing.enabled`);
+  - tracing_on: the same with tracing on and detailed worker traces: each decode item asks its
+              request's trace whether this step carries it (request_trace.py), spans recorded
+              by the OpenTelemetry SDK (no exporter: the export runs off the step loop).
+Reports microseconds per step, the ratios of each to the baseline, and tracing off's cost per
+request net of the harness's own loop (an empty work function).
 
     python benchmarks/metrics_cost.py [--running 256] [--steps 300] [--rounds 5] [--quick]
 """
@@ -23,6 +29,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ttserve.control.metrics import ITL_BUCKETS, ControlMetrics
+from ttserve.control.request_trace import RequestTracing
+from ttserve.tracing import Tracer
 from ttserve.control.request import Request, SamplingParams
 from ttserve.control.session import output_of
 from ttserve.control.wire import output_to_pb
@@ -70,6 +78,35 @@ def ttserve_metrics() -> Callable[[Request, float], None]:
     return work
 
 
+def tracing_off() -> Callable[[Request, float], None]:
+    """Control/wire.py's per-item test with tracing off, and the per-step hook's."""
+    tracing = RequestTracing(Tracer.off())
+
+    def work(request: Request, now: float) -> None:
+        if request.trace is not None:
+            request.trace.decode_parent()
+        if tracing.enabled:
+            raise AssertionError("tracing is off")
+
+    return work
+
+
+def tracing_on() -> Callable[[Request, float], None]:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracing = RequestTracing(Tracer(TracerProvider(), "control"), worker_steps=True)
+
+    def work(request: Request, now: float) -> None:
+        if request.trace is None:
+            request.trace_headers = {}
+            request.received_time = now
+            tracing.arrived(request)
+        if request.trace is not None:
+            request.trace.decode_parent()
+
+    return work
+
+
 def naive_metrics() -> Callable[[Request, float], None]:
     registry = CollectorRegistry()
     itl = Histogram("naive_itl_seconds", "ITL.", buckets=ITL_BUCKETS, registry=registry)
@@ -94,15 +131,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.running, args.steps, args.rounds = 32, 20, 1
-    rounds = {"baseline": [], "ttserve": [], "naive": []}
+    # "loop": calling an empty work function per request, the harness's own share of every arm.
+    arms = {"baseline": lambda: publish, "ttserve": ttserve_metrics, "naive": naive_metrics,
+            "tracing_off": tracing_off, "tracing_on": tracing_on, "loop": lambda: lambda request, now: None}
+    rounds: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.rounds):
-        rounds["baseline"].append(per_step(args.running, args.steps, publish))
-        rounds["ttserve"].append(per_step(args.running, args.steps, ttserve_metrics()))
-        rounds["naive"].append(per_step(args.running, args.steps, naive_metrics()))
+        for name, make in arms.items():
+            rounds[name].append(per_step(args.running, args.steps, make()))
     us = {k: statistics.median(v) for k, v in rounds.items()}
     print(json.dumps({"running": args.running, "us_per_step": {k: round(v, 1) for k, v in us.items()},
-                      "ttserve_over_baseline": round(us["ttserve"] / us["baseline"], 3),
-                      "naive_over_baseline": round(us["naive"] / us["baseline"], 3)}))
+                      **{f"{name}_over_baseline": round(us[name] / us["baseline"], 3) for name in arms
+                         if name not in ("baseline", "loop")},
+                      # What tracing off adds beyond the harness's loop, per request and step.
+                      "tracing_off_ns_per_request": round((us["tracing_off"] - us["loop"]) * 1e3 / args.running, 1)}))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ from pathlib import Path
 from ttserve.exit_status import CONFIG_REFUSED
 from ttserve.tls import TlsConfigError, grpc_server_tls
 from ttserve.tls import add_arguments as add_tls_arguments
+from ttserve.tracing import Tracer, TracingUnavailable, detailed_modules
+from ttserve.tracing import add_arguments as add_tracing_arguments
 
 from .engine import Engine
 from .engine_config import EngineConfig
+from .metrics import ControlMetrics
+from .request_trace import RequestTracing
 from .queue_bounds import DEFAULT_MAX_HELD_BYTES, DEFAULT_TENANT_SHARE, QueueBounds
 from .speculation import SpeculativeConfigError, parse_speculative_config
 from .worker_set import WorkerSetError, WorkerSpec, combine, follow_file, parse_entry, parse_file
@@ -70,6 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="address of the --metrics-port server, which takes no key: loopback by "
                         "default, whatever --host is; 0.0.0.0 where Prometheus or a health probe "
                         "reaches it from another host or container (keep it off public networks)")
+    g.add_argument("--vllm-metric-names", action=argparse.BooleanOptionalAction, default=False,
+                   help="also serve, on /metrics, each series that has a vLLM counterpart under vLLM's "
+                        "name and labels (vllm:X{model_name, engine}; docs/metrics.md), so vLLM's Grafana "
+                        "dashboard and scrapers read it unchanged; Prometheus reserves ':' for recording "
+                        "rules (promtool check metrics refuses it), hence off by default")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API, as given to the gateway: the first is the "
+                        "model_name label of --vllm-metric-names (default: the model folder's name, the "
+                        "gateway's default; `ttserve up` gives this flag to both)")
     g.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
@@ -98,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--migration-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="how long a migrating request waits for a ready worker before it fails")
     add_tls_arguments(g, role="the workers")
+    add_tracing_arguments(g, detailed=True)
     g.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     g.add_argument("--pipeline-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -183,13 +197,30 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def run(args: argparse.Namespace) -> int:
     try:
         config = engine_config(args)
-    except ConfigError as e:
+        tracing = request_tracing(args)
+    except (ConfigError, TracingUnavailable) as e:
         log.error("%s", e)
         return CONFIG_REFUSED
-    return asyncio.run(_serve(config, args))
+    try:
+        return asyncio.run(_serve(config, args, tracing))
+    finally:
+        tracing.tracer.shutdown()  # the last requests' spans, exported before the process exits
 
 
-async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
+def request_tracing(args: argparse.Namespace) -> RequestTracing:
+    """--otlp-traces-endpoint and --collect-detailed-traces (vLLM's spellings) as the engine's
+    request tracing; TracingUnavailable without the OpenTelemetry SDK."""
+    try:
+        modules = detailed_modules(args.collect_detailed_traces)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if modules and not args.otlp_traces_endpoint:
+        raise ConfigError("--collect-detailed-traces needs --otlp-traces-endpoint (where the traces go)")
+    tracer = Tracer.otlp(args.otlp_traces_endpoint, "control")
+    return RequestTracing(tracer, worker_steps=bool(modules & {"all", "worker"}))
+
+
+async def _serve(config: EngineConfig, args: argparse.Namespace, tracing: RequestTracing) -> int:
     """Serve until SIGTERM/SIGINT, then drain: refuse new requests, finish (or after
     --shutdown-timeout abort) the ones held, and exit 0."""
     from ttserve.grpc_service import run_service
@@ -197,7 +228,8 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
 
     from .server import serve
 
-    engine = Engine(config)
+    metrics = ControlMetrics(args.vllm_metric_names, args.served_model_name[0] if args.served_model_name else "")
+    engine = Engine(config, metrics, tracing=tracing)
 
     async def drain() -> None:
         await engine.drain(args.shutdown_timeout)

@@ -16,6 +16,7 @@ from .metrics import ControlMetrics
 from .engine_config import EngineConfig
 from .placement import choose_lane
 from .request import FinishReason, Request
+from .request_trace import RequestTracing
 from .serving_plan import IncompatibleWorker, ServingPlan, plan_serving
 from .session import Admission, RequestOutput, SessionMessage, StepOutputs, Verdict, output_of
 from .client_text import first_line, for_client
@@ -23,6 +24,7 @@ from .queue_bounds import Ledger
 from .worker_group import StepFailure, Warm, WorkerDraining, WorkerGroup, WorkerLost
 from .worker_link import WorkerError, WorkerHeldElsewhere
 from .worker_set import WorkerSpec
+from ttserve.tracing import Tracer
 
 __all__ = ["Engine", "EngineConfig", "IncompatibleWorker"]
 
@@ -35,9 +37,11 @@ request_log = logging.getLogger("ttserve.requests")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, metrics: ControlMetrics | None = None) -> None:
+    def __init__(self, config: EngineConfig, metrics: ControlMetrics | None = None,
+                 tracing: RequestTracing | None = None) -> None:
         self.config = config
         self.requests: dict[str, Request] = {}
+        self.tracing = tracing or RequestTracing(Tracer.off())
         self._clients: dict[int, asyncio.Queue[SessionMessage | None]] = {}
         self._next_client_id = 1
         self.metrics = metrics or ControlMetrics()
@@ -159,6 +163,7 @@ class Engine:
         assert limits is not None
         ready = self._serving_workers()
         request.record_received(time.monotonic())
+        self.tracing.arrived(request)
         try:
             if request.request_id in self.requests:
                 raise AdmissionError(f"request id {request.request_id!r} is already in use")
@@ -166,6 +171,7 @@ class Engine:
             if image_problem:
                 raise AdmissionError(f"invalid image inputs: {image_problem}")
         except AdmissionError as e:
+            self.tracing.verdict(request, False, str(e))
             self.metrics.refused.labels("invalid").inc()
             if request.output_token_ids:
                 self.metrics.resumptions.labels("invalid").inc()
@@ -180,6 +186,7 @@ class Engine:
             request.await_grammar()
             self._compile(request)
         self.workers[placed.worker].admit(request, placed.index)
+        self.tracing.verdict(request, True)
         queue.put_nowait(Admission(request.request_id, Verdict.ACCEPTED))
 
     def _compile(self, request: Request) -> None:
@@ -258,7 +265,8 @@ class Engine:
                 self._add_worker(spec)
 
     def _add_worker(self, spec: WorkerSpec) -> WorkerGroup:
-        worker = WorkerGroup(self._next_worker_id, spec.address, self.config, self.metrics, name=spec.name)
+        worker = WorkerGroup(self._next_worker_id, spec.address, self.config, self.metrics, name=spec.name,
+                             tracing=self.tracing)
         self._next_worker_id += 1
         self.workers[worker.index] = worker
         self.worker_names[worker.index] = worker.name
@@ -413,19 +421,21 @@ class Engine:
 
     def _finished(self, request: Request, now: float) -> None:
         self.metrics.finished(request, now)
+        trace_id = self.tracing.finished(request, self.worker_names[request.worker], now)
         if not request_log.isEnabledFor(logging.INFO):
             return
         ttft = (f"{request.first_token_time - request.received_time:.3f}"
                 if request.first_token_time is not None else "-")
         error = f" error={json.dumps(request.error)}" if request.error else ""
+        traced = f" trace_id={trace_id}" if trace_id else ""
         request_log.info(
             "request_finished id=%s worker=%s lane=%d prompt_tokens=%d generated_tokens=%d "
-            "cached_tokens=%d preemptions=%d migrations=%d ttft_s=%s duration_s=%.3f finish_reason=%s%s",
+            "cached_tokens=%d preemptions=%d migrations=%d ttft_s=%s duration_s=%.3f finish_reason=%s%s%s",
             json.dumps(request.request_id), json.dumps(self.worker_names[request.worker]), request.lane, request.num_prompt_tokens,
             len(request.output_token_ids), request.num_cached_tokens, request.num_preemptions,
             request.num_migrations, ttft,
             now - request.received_time, request.finish_reason.value if request.finish_reason else "-",
-            error)
+            traced, error)
 
     # ---- migration -------------------------------------------------------------------------
     def _isolate(self, failure: StepFailure) -> None:
@@ -471,6 +481,7 @@ class Engine:
                 self._handed_off.add(request.request_id)
             else:
                 request.migrated()
+            self.tracing.migrating(request, self.worker_names[request.worker], reason, time.monotonic())
             self._migrating.append(request)
             self._expiry[request.request_id] = loop.call_later(self.config.migration_timeout_s,
                                                                self._migration_expired, request, reason)
@@ -489,6 +500,7 @@ class Engine:
             outcome = "handed_off" if request.request_id in self._handed_off else "requeued"
             self._stop_migrating(request)
             self.metrics.migrations.labels(outcome).inc()
+            self.tracing.placed(request, self.workers[placed.worker].name, outcome == "handed_off", time.monotonic())
             log.info("request %s moved to worker %s lane %d: recomputing %d tokens", request.request_id,
                      self.workers[placed.worker].name, placed.index, request.num_tokens)
         self._migrating.clear()

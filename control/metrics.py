@@ -56,9 +56,16 @@ class TokenHistogram:
         return HistogramMetricFamily(self.name, self.documentation, buckets=cumulative,
                                      sum_value=self.sum)
 
+    def collect(self) -> list[HistogramMetricFamily]:
+        """As prometheus_client's Histogram.collect, so either reads the same (vllm_metric_names.py)."""
+        return [self.family()]
+
 
 class ControlMetrics:
-    def __init__(self) -> None:
+    def __init__(self, vllm_metric_names: bool = False, served_model_name: str = "") -> None:
+        """`vllm_metric_names`: also serve vLLM's names (--vllm-metric-names, vllm_metric_names.py),
+        their model_name label `served_model_name` ("": the model folder's name)."""
+        self.vllm_metric_names, self.served_model_name = vllm_metric_names, served_model_name
         self.registry = r = CollectorRegistry()
         # Per-token events: plain tallies and TokenHistograms, exported by _EngineState.
         # By worker name: a worker removed and added again under its name counts on.
@@ -132,6 +139,10 @@ class ControlMetrics:
     def watch(self, engine: Engine) -> None:
         """Export the engine's live state (queues, KV, workers) at scrape time."""
         self.registry.register(_EngineState(engine))
+        if self.vllm_metric_names:
+            # Imported only here: without the flag the module is never loaded.
+            from .vllm_metric_names import VllmMetricNames
+            self.registry.register(VllmMetricNames(engine, self.served_model_name))
 
     # ---- events ------------------------------------------------------------------------------
     def step(self, w: str, kind: StepKind, traced: bool, sampled_on_device: bool,

@@ -16,6 +16,7 @@ events, here too.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ POISON_FAILURES = 2
 
 if TYPE_CHECKING:
     from .grammar import Grammar, GrammarSpec
+    from .request_trace import RequestTrace
 
 
 class RequestStatus(enum.Enum):
@@ -155,6 +157,10 @@ class Request:
     num_timed_tokens: int = 0                # output tokens whose arrival is recorded
     # Output tokens it arrived with (resumed): produced elsewhere, so not counted as generated here.
     num_resumed_tokens: int = 0
+    # Tracing (control/request_trace.py): the W3C trace context it arrived with (engine.proto
+    # AddRequest.trace_headers), and its span while traced here (None: untraced, or ended).
+    trace_headers: dict[str, str] = field(default_factory=dict)
+    trace: RequestTrace | None = None
 
     @property
     def block_ids(self) -> list[int]:
@@ -299,6 +305,8 @@ class Request:
         """Requeued because its lane's KV cache ran out (counted: metrics and the request log)."""
         self.requeued()
         self.num_preemptions += 1
+        if self.trace is not None:
+            self.trace.preempted(time.monotonic())
 
     def migrated(self) -> None:
         """It moves off a lost worker (counted against --migration-limit)."""

@@ -45,7 +45,8 @@ def request_from_pb(add: engine_pb2.AddRequest, client_id: int) -> tuple[Request
                       sampling=sampling, client_id=client_id,
                       cache_salt=add.cache_salt, tenant=add.tenant, held_bytes=add.ByteSize(),
                       grammar_spec=_grammar_spec(add),
-                      images=[ImageInput(m.hash, m.offset, m.length, m) for m in add.mm_inputs])
+                      images=[ImageInput(m.hash, m.offset, m.length, m) for m in add.mm_inputs],
+                      trace_headers=dict(add.trace_headers))
     if add.HasField("resumption"):
         request.resumed(list(add.resumption.output_token_ids))
     if any(m.modality != "image" for m in add.mm_inputs):
@@ -205,20 +206,25 @@ def step_batch_to_pb(step_id: int, kind: StepKind, lanes: list[StepPlan], max_nu
             # A request's first chunk after a prefix-cache hit carries the cached tokens: the
             # worker holds no others of it, and the generator may recompute below start_pos.
             cached = all_ids[:work.start] if work.start and id(work.request) in started else []
-            batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
-                              start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample,
-                              token_bitmask=work.bitmask, cached_token_ids=cached,
-                              mm_inputs=[image.payload for image in work.images], groups=_groups_pb(work.groups))
+            item = batch.prefill.add(request_id=work.request.request_id, token_ids=all_ids[work.start:work.end],
+                                     start_pos=work.start, new_block_ids=work.new_block_ids, sample=work.sample,
+                                     token_bitmask=work.bitmask, cached_token_ids=cached,
+                                     mm_inputs=[image.payload for image in work.images],
+                                     groups=_groups_pb(work.groups))
+            if work.request.trace is not None:  # None unless tracing is on (request_trace.py)
+                item.traceparent = work.request.trace.prefill_parent()
         for work in plan.decode:
             if work.token_id is None:
-                batch.decode.add(request_id=work.request.request_id, use_previous_token=True,
-                                 position=work.position, new_block_ids=work.new_block_ids,
-                                 groups=_groups_pb(work.groups))
+                item = batch.decode.add(request_id=work.request.request_id, use_previous_token=True,
+                                        position=work.position, new_block_ids=work.new_block_ids,
+                                        groups=_groups_pb(work.groups))
             else:
-                batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
-                                 position=work.position, new_block_ids=work.new_block_ids,
-                                 token_bitmask=work.bitmask, groups=_groups_pb(work.groups),
-                                 draft_token_ids=work.draft_token_ids)
+                item = batch.decode.add(request_id=work.request.request_id, token_id=work.token_id,
+                                        position=work.position, new_block_ids=work.new_block_ids,
+                                        token_bitmask=work.bitmask, groups=_groups_pb(work.groups),
+                                        draft_token_ids=work.draft_token_ids)
+            if work.request.trace is not None:
+                item.traceparent = work.request.trace.decode_parent()
     return batch
 
 

@@ -16,12 +16,14 @@ from .metrics import ControlMetrics
 from .phase import PhasePolicy
 from .placement import Candidate
 from .request import FinishReason, Request
+from .request_trace import RequestTracing
 from .scheduler import Scheduler
 from .serving_plan import ServingPlan, WarmupPlan, plan_warmup
 from .speculation import SpecTally
 from .step import StepKind
 from .wire import StepOutcome, WorkerDescription
 from .worker_link import StepFailed, WorkerError, WorkerLink
+from ttserve.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +125,14 @@ class WorkerGroup:
     group down and returns the requests it held. Nothing here calls up into the engine."""
 
     def __init__(self, index: int, address: str, config: EngineConfig,
-                 metrics: ControlMetrics | None = None, name: str = "") -> None:
+                 metrics: ControlMetrics | None = None, name: str = "",
+                 tracing: RequestTracing | None = None) -> None:
         self.index = index            # the engine's id for it, never reused
         self.name = name or address   # the `worker` label of its metrics
         self.address = address
         self.config = config
         self.metrics = metrics or ControlMetrics()
+        self.tracing = tracing or RequestTracing(Tracer.off())
         self.metrics.stalls.labels(self.name)  # exported as 0 from the start, for alert rules
         self.lane_group: LaneGroup | None = None
         self.description: WorkerDescription | None = None
@@ -347,8 +351,12 @@ class WorkerGroup:
                 plan = done.plan
                 if plan is not None:
                     self.num_steps += 1
+                    landed = time.monotonic()
                     self.metrics.step(self.name, plan.kind, outcome.traced, outcome.sampled_on_device,
-                                      outcome.total_s, time.monotonic() - done.sent)
+                                      outcome.total_s, landed - done.sent)
+                    if self.tracing.enabled:
+                        for lane_plan in plan.lanes:
+                            self.tracing.stepped(self.name, lane_plan, done.sent, landed)
                     yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs,
                                                                 outcome.refused, outcome.accepted,
                                                                 outcome.draft_logprobs))

@@ -15,6 +15,7 @@ from ttserve.gateway.control_channel import control_targets
 from ttserve.gateway.header_limit import DEFAULT_MAX_HEADER_BYTES
 from ttserve.gateway.media_limits import DEFAULT_MAX_IMAGE_PIXELS
 from ttserve.logs import setup_logging
+from ttserve.tracing import add_arguments as add_tracing_arguments
 
 DEFAULT_CONTROL = "127.0.0.1:50051"
 
@@ -161,6 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is or resolves to a loopback, private, link-local (cloud metadata), "
                              "CGNAT, multicast or reserved address is refused (HTTP 400), also from "
                              "an allowed domain (gateway/media_fetch_guard.py)")
+    add_tracing_arguments(parser)  # --otlp-traces-endpoint; --collect-detailed-traces is the control plane's
     parser.add_argument("--vllm-args", default="", metavar="'FLAGS'",
                         help="further `vllm serve` frontend flags, as one quoted string, e.g. "
                              "--vllm-args='--chat-template-content-format openai'")

@@ -27,6 +27,7 @@ from vllm.v1.outputs import LogprobsLists  # noqa: E402
 
 from ttserve.protocol import MESSAGE_LIMITS  # noqa: E402
 from ttserve.tensor_wire import tensor_to_pb  # noqa: E402
+from ttserve.tracing import trace_headers  # noqa: E402
 from ttserve.v1 import engine_pb2, multimodal_pb2  # noqa: E402
 
 _UINT64 = 1 << 64
@@ -159,6 +160,9 @@ def to_add_request(request: EngineCoreRequest, disable_any_whitespace: bool = Tr
     if spec is not None:
         add.structured_output.CopyFrom(spec)
     add.mm_inputs.extend(mm_inputs(request))
+    # The W3C context of the gateway's HTTP span (vLLM's serving layer copied it from the
+    # request's rewritten headers; http_tracing.py): the control plane's spans are its children.
+    add.trace_headers.update(trace_headers(request.trace_headers or {}))
     return add
 
 
@@ -199,13 +203,17 @@ class RequestTrack:
     queued_ts: float = field(default_factory=time.monotonic)  # gateway monotonic clock
     num_cached_tokens: int = 0
     started: bool = False  # an output has been delivered
+    # EngineCoreRequest.trace_headers, for the request's finishing output: vLLM's `llm_request`
+    # span (OutputProcessor.do_tracing) takes its parent from there. None: not traced.
+    trace_headers: dict[str, str] | None = None
 
     @classmethod
     def of(cls, request: EngineCoreRequest) -> "RequestTrack":
         sp = request.sampling_params
         return cls(request_id=request.request_id,
                    num_prompt_tokens=len(request.prompt_token_ids or ()),
-                   eos_token_id=sp.eos_token_id if sp is not None else None)
+                   eos_token_id=sp.eos_token_id if sp is not None else None,
+                   trace_headers=trace_headers(request.trace_headers or {}) or None)
 
 
 def to_engine_core_output(out: engine_pb2.RequestOutput, track: RequestTrack) -> EngineCoreOutput | None:
@@ -226,6 +234,8 @@ def to_engine_core_output(out: engine_pb2.RequestOutput, track: RequestTrack) ->
     output = EngineCoreOutput(request_id=out.request_id, new_token_ids=list(out.new_token_ids),
                               finish_reason=finish_reason, stop_reason=stop_reason,
                               new_logprobs=logprobs_lists(out))
+    if finish_reason is not None:
+        output.trace_headers = track.trace_headers
     if not track.started:
         track.started = True
         cached = min(track.num_cached_tokens, track.num_prompt_tokens)
@@ -253,6 +263,9 @@ def logprobs_lists(out: engine_pb2.RequestOutput) -> LogprobsLists | None:
         sampled_token_ranks=np.array([lp.rank for lp in out.logprobs], dtype=np.int64))
 
 
-def finished_output(request_id: str, reason: FinishReason = FinishReason.ERROR) -> EngineCoreOutput:
-    """An output that ends a request the control plane can no longer finish."""
-    return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=reason)
+def finished_output(request_id: str, reason: FinishReason = FinishReason.ERROR,
+                    trace_headers: dict[str, str] | None = None) -> EngineCoreOutput:
+    """An output that ends a request the control plane can no longer finish; `trace_headers`:
+    its track's (RequestTrack.trace_headers)."""
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=reason,
+                            trace_headers=trace_headers)

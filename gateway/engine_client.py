@@ -46,7 +46,7 @@ from vllm.v1.engine.core_client import EngineCoreClient  # noqa: E402
 from vllm.v1.engine.output_processor import OutputProcessor  # noqa: E402
 from vllm.v1.metrics.loggers import PrometheusStatLogger  # noqa: E402
 
-from ttserve.gateway import convert  # noqa: E402
+from ttserve.gateway import convert, http_tracing  # noqa: E402
 from ttserve.gateway import vllm_patches  # noqa: E402
 from ttserve.gateway.drain import Drain  # noqa: E402
 from ttserve.gateway.errors import (ControlPlaneOverloaded, ControlPlaneUnavailable, GatewayShuttingDown,  # noqa: E402
@@ -348,12 +348,10 @@ class GrpcEngineCoreClient(EngineCoreClient):
                 self.failure_reasons.record(rid, self.LOST_FOR_CLIENTS)
             if self._resuming:
                 self._schedule_resumptions(min(self._resuming.values()) - now)
-        for rid in lost:
-            del self._tracks[rid]
-        if lost:
-            self._outputs.put_nowait(EngineCoreOutputs(
-                outputs=[convert.finished_output(rid, FinishReason.ERROR) for rid in lost],
-                timestamp=time.monotonic()))
+        ended = [convert.finished_output(rid, FinishReason.ERROR, self._tracks.pop(rid).trace_headers)
+                 for rid in lost]
+        if ended:
+            self._outputs.put_nowait(EngineCoreOutputs(outputs=ended, timestamp=time.monotonic()))
         if shutting_down:
             log.info("closed the session with the control plane at %s (%d request(s) in flight)",
                      target, len(lost))
@@ -464,13 +462,14 @@ class GrpcEngineCoreClient(EngineCoreClient):
         if rid in self._awaiting_verdict and self._session is not None:  # admitted later, it would run for nobody
             self._session.send(engine_pb2.ClientMessage(abort=engine_pb2.AbortRequests(request_ids=[rid])))
         self._awaiting_verdict.discard(rid)
-        if self._tracks.pop(rid, None) is None:
+        if (track := self._tracks.pop(rid, None)) is None:
             return
         RESUMPTIONS.labels("failed").inc()
         log.warning("request %s: %s", rid, message)
         self.failure_reasons.record(rid, message)
-        self._outputs.put_nowait(EngineCoreOutputs(outputs=[convert.finished_output(rid, FinishReason.ERROR)],
-                                                   timestamp=time.monotonic()))
+        self._outputs.put_nowait(EngineCoreOutputs(
+            outputs=[convert.finished_output(rid, FinishReason.ERROR, track.trace_headers)],
+            timestamp=time.monotonic()))
 
     def _end_resumptions(self) -> None:
         """The gateway shuts down: no request waits to resume any more."""
@@ -489,6 +488,7 @@ class GrpcEngineCoreClient(EngineCoreClient):
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         request_id = request.request_id
+        http_tracing.note_request(request)  # its ids on its HTTP span (traced only)
         if self.drain.draining:  # passed check_admission before the drain began
             raise self._refused(request_id, GatewayShuttingDown())
         reason = convert.unsupported_by_protocol(request)
@@ -638,6 +638,14 @@ class GatewayLLM(AsyncLLM):
         self.core_client = core_client
         self.drain = core_client.drain
         core_client.attach_output_processor(self.output_processor)
+        if self.output_processor.tracing_enabled and not self.log_stats:
+            # vLLM's `llm_request` span (OutputProcessor.do_tracing) asserts the request's stats
+            # and the step's IterationStats, which exist only with log stats: it would raise in
+            # AsyncLLM's output loop, which then fails every request for good. The gateway's and
+            # the control plane's spans do not need it.
+            self.output_processor.tracing_enabled = False
+            log.warning("--disable-log-stats: vLLM's llm_request span is not recorded (it needs the "
+                        "request stats); the gateway's HTTP spans and the control plane's are")
 
     @property
     def failure_reasons(self) -> FailureReasons:

@@ -158,6 +158,10 @@ def vllm_argv(args: argparse.Namespace, model: str, model_info: engine_pb2.Model
             argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     if args.enable_prompt_tokens_details:
         argv.append("--enable-prompt-tokens-details")
+    if getattr(args, "otlp_traces_endpoint", None):
+        # vLLM's AsyncLLM sets up the process's TracerProvider from it, and its serving layer
+        # then carries each request's trace headers (gateway/http_tracing.py).
+        argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     for flag in ("tokenizer", "chat_template", "tool_call_parser", "reasoning_parser"):
         if getattr(args, flag):
             argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
@@ -285,6 +289,19 @@ def build_vllm_config(vllm_args: argparse.Namespace, model_info: engine_pb2.Mode
     return config
 
 
+def prepare_tracing(vllm_args: argparse.Namespace) -> None:
+    """With --otlp-traces-endpoint: refused (2) without the OpenTelemetry packages vLLM's tracing
+    imports (vLLM would refuse too, with a traceback), and the service named ttserve-gateway
+    before vLLM builds its TracerProvider (gateway/http_tracing.py)."""
+    from ttserve.gateway.http_tracing import prepare
+    from ttserve.tracing import TracingUnavailable
+
+    try:
+        prepare(vllm_args.otlp_traces_endpoint)
+    except TracingUnavailable as e:
+        raise ConfigRefused(str(e)) from None
+
+
 def bind_http_socket(host: str, port: int) -> socket.socket:
     """The HTTP socket, bound first so that a busy port fails before anything slow runs (as
     vLLM's create_server_socket), and listening from then on: a client connecting before
@@ -370,6 +387,7 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.to_thread(preload.join)
         patch_vllm(args)  # before vLLM builds its config (it reads the model registry then)
         vllm_args = parse_vllm_args(vllm_argv(args, model, model_info))
+        prepare_tracing(vllm_args)
         vllm_config = build_vllm_config(vllm_args, model_info)
         check_vllm_server_args(vllm_args)
         await serve_vllm_app(args, vllm_args, vllm_config, model_info, sock, started, waiting.close)
@@ -399,13 +417,15 @@ def remove_unserved_routes(app) -> None:
 
 
 def install_middleware(app, api_keys=None, public_metrics: bool = False,
-                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tracer=None) -> None:
     """The gateway's middleware outermost on vLLM's app, and two of vLLM's out: its HTTP
     instrumentation records into prometheus_client's default registry, which the gateway never
     exports, on every request and streamed chunk (RequestDurationMiddleware stands in for it);
     its AuthenticationMiddleware (installed when VLLM_API_KEY is set) guards /v1 only, and
-    ApiKeyMiddleware, outermost of all when `api_keys` holds any, guards every route and holds
-    each key to its rate limits (a 429 before the request is read)."""
+    ApiKeyMiddleware, when `api_keys` holds any, guards every route and holds each key to its
+    rate limits (a 429 before the request is read). With a `tracer` that is on
+    (--otlp-traces-endpoint), TracingMiddleware is outermost of all, so that every answer, a
+    401 or 413 too, carries its trace id; off, it is not installed at all."""
     from prometheus_fastapi_instrumentator.middleware import PrometheusInstrumentatorMiddleware
     from starlette.middleware import Middleware
     from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
@@ -423,6 +443,9 @@ def install_middleware(app, api_keys=None, public_metrics: bool = False,
     if api_keys:
         app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, keys=api_keys, public_metrics=public_metrics,
                                                  rate_limit=True))
+    if tracer is not None and tracer.enabled:
+        from ttserve.gateway.http_tracing import TracingMiddleware
+        app.user_middleware.insert(0, Middleware(TracingMiddleware, tracer=tracer))
     # build_app has already built the middleware stack (SageMaker bootstrap), so
     # add_middleware() is refused: rebuild it, as that bootstrap does.
     app.middleware_stack = app.build_middleware_stack()
@@ -444,14 +467,21 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
     from ttserve.gateway import metrics, readiness
     from ttserve.gateway.engine_client import GatewayLLM, GrpcEngineCoreClient
     from ttserve.gateway.errors import quiet_refusal_tracebacks
+    from ttserve.gateway.http_tracing import gateway_tracer
+    from ttserve.tracing import Tracer, TracingUnavailable
 
     llm = None
+    tracer = Tracer.off()
     try:
         core_client = GrpcEngineCoreClient(args.control, tls=args.tls, model=model_info,
                                            resume_limit=args.control_migration_limit,
                                            resume_timeout_s=args.control_migration_timeout)
         llm = GatewayLLM(vllm_config, core_client, log_stats=not vllm_args.disable_log_stats,
                          log_requests=vllm_args.enable_log_requests)
+        try:
+            tracer = gateway_tracer(vllm_args.otlp_traces_endpoint)  # on the provider GatewayLLM set up
+        except TracingUnavailable as e:
+            raise ConfigRefused(str(e)) from None
         if not await core_client.wait_connected(timeout=SESSION_TIMEOUT_S):
             log.warning("%s; serving anyway, requests get 503 until it is back",
                         core_client.unreachable_message)
@@ -462,7 +492,7 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
         # ERROR; vLLM restores handler levels only, which silences every non-vLLM logger.
         logging.getLogger().setLevel(root_level)
         remove_unserved_routes(app)
-        install_middleware(app, args.api_keys, args.public_metrics, args.max_request_bytes)
+        install_middleware(app, args.api_keys, args.public_metrics, args.max_request_bytes, tracer)
         metrics.install(app)
         readiness.install(app, readiness.ReadinessProbe(core_client, llm.drain))
         await init_app_state(llm, app.state, vllm_args, supported_tasks)
@@ -494,3 +524,6 @@ async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace
     finally:
         if llm is not None:
             llm.shutdown()
+        # The last requests' spans leave before the process does (the gateway exits with
+        # os._exit, past vLLM's atexit flush).
+        tracer.shutdown()

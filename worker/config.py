@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from ttserve.tls import Tls, TlsConfigError, grpc_server_tls
 from ttserve.exit_status import CONFIG_REFUSED
 from ttserve.tls import add_arguments as add_tls_arguments
+from ttserve.tracing import Tracer, TracingUnavailable
+from ttserve.tracing import add_arguments as add_tracing_arguments
 
 from .backends.torch.dtype import DTYPE_CHOICES, resolve_dtype
 
@@ -80,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-profile", default="galaxy-llama-3.3-70b",
                    help="step-time profile of --backend sim (see ttserve.worker.backends.sim.model.PROFILES)")
     add_tls_arguments(g, role="nobody (a worker calls no service)")
+    add_tracing_arguments(g)
     g.add_argument("--control-identity", default=None, metavar="NAME",
                    help="with mutual TLS: the name (certificate CN or SAN) the control plane's "
                         "certificate must carry; Warmup and Step from any other certificate are "
@@ -111,6 +114,10 @@ def build_service(args: argparse.Namespace, control_identity: str | None = None)
         for problem in plan.fatal[:-1]:
             log.error("%s", problem)
         raise ConfigRefused(plan.fatal[-1])
+    try:
+        tracer = Tracer.otlp(getattr(args, "otlp_traces_endpoint", None), "worker")
+    except TracingUnavailable as e:
+        raise ConfigRefused(str(e)) from None
     # After the plan: a refusal that needs no torch (flags, files, a missing ttnn) comes without
     # loading it (~2 CPU-s of imports).
     import torch
@@ -151,7 +158,7 @@ def build_service(args: argparse.Namespace, control_identity: str | None = None)
              str(dtype).removeprefix("torch."), dtype_why, threads, waits, options or "none")
     runner = ModelRunner(plan.model_path, model_cls, plan.architecture, backend, dtype,
                          args.block_size, args.kv_cache_memory_bytes, device_options)
-    return DeviceService(runner, plan.backend, device_name, control_identity=control_identity)
+    return DeviceService(runner, plan.backend, device_name, control_identity=control_identity, tracer=tracer)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -209,4 +216,5 @@ async def _serve(service, args: argparse.Namespace, tls: Tls) -> int:
                                endpoints, "worker", lambda: service.drain(args.shutdown_timeout))
     finally:
         service.runner.close()  # the model and its traces first, then the mesh and its fabric
+        service.tracing.tracer.shutdown()  # the last steps' spans
     return 0 if ok else 1

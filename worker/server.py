@@ -11,11 +11,13 @@ import grpc
 
 from ttserve.grpc_service import GrpcService, start_server
 from ttserve.tls import PLAINTEXT, Tls, peer_names
+from ttserve.tracing import Tracer
 from ttserve.v1 import device_pb2, device_pb2_grpc
 
 from .batch import Description
 from .metrics import WorkerMetrics
 from .runner import ModelRunner
+from .step_trace import StepTracing
 from .wire import (batch_from_pb, config_from_pb, description_to_pb, draining_to_pb, probe_to_pb, progress_to_pb,
                    result_to_pb, step_error_to_pb, warm_to_pb)
 
@@ -40,8 +42,9 @@ PROBE = object()  # _batches_until_drained: send the control plane a probe here
 
 class DeviceService(device_pb2_grpc.DeviceServicer):
     def __init__(self, runner: ModelRunner, backend: str, device: str,
-                 control_identity: str | None = None) -> None:
+                 control_identity: str | None = None, tracer: Tracer | None = None) -> None:
         self.runner = runner
+        self.tracing = StepTracing(tracer or Tracer.off())
         # With mutual TLS every caller holds a certificate of the worker's CA; Warmup and Step
         # (which configure and drive the device) also need this name in it, so that only the
         # control plane, not a gateway of the same CA, can take the device. None: any caller
@@ -235,6 +238,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     await context.write(probe_to_pb())
                     continue
                 received = time.perf_counter()
+                self.tracing.received(pb)
                 batch = batch_from_pb(pb)
                 held = self.runner.unanswered()  # a pipelined decode the next launch returns
                 try:
@@ -250,10 +254,12 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                     # readback may be what raised) fails with this one.
                     for step_id in [*held, batch.step_id]:
                         await context.write(step_error_to_pb(step_id, f"{type(e).__name__}: {e}"))
+                    self.tracing.dropped()
                     continue
                 for result in results:
                     self.metrics.step(result.kind, result)
                     await context.write(result_to_pb(result))
+                    self.tracing.sent(result)
         except asyncio.CancelledError:
             if self._replaced is not me:
                 raise
