@@ -8,8 +8,12 @@ the same KV budget, the same dtype and the whole machine: vLLM with VLLM_CPU_OMP
 over every core this process may use (docs/vllm-cpu.md), ttserve as `ttserve up`.
 
 Prints output tok/s, TTFT p50 and TPOT p50 of both and the ratios ttserve / vLLM (tok/s: higher
-is better for ttserve; TTFT, TPOT: lower is), start-up seconds, and per-process RSS at ready and
-after the load. The KV cache is allocated zeroed (resident) by both; "non-KV" subtracts it.
+is better for ttserve; TTFT, TPOT: lower is), each round's ratios as well as the medians,
+start-up seconds, and per-process RSS at ready and after the load. The KV cache is allocated
+zeroed (resident) by both; "non-KV" subtracts it. Each round also times the weight-read bound
+of one decode step on this machine (weight_bound.py: a bf16 GEMV over the model's own weight
+shapes, with nothing else running) and prints both servers' c=1 TPOT as a multiple of it, so
+that machines of other memory bandwidth compare.
 
     python benchmarks/vs_vllm.py [--concurrency 1 8 32] [--rounds 1] [--dtype bfloat16]
     python benchmarks/vs_vllm.py --quick     # CI: tiny load, 256 MiB KV caches, vLLM --enforce-eager
@@ -212,6 +216,27 @@ def run_server(client: BenchClient, server: Server, model: Path, name: str, leve
         server.stop()
 
 
+def weight_read_bound(model: Path, quick: bool) -> dict:
+    """weight_bound.py's figures, measured in a process of its own with the machine idle."""
+    argv = [sys.executable, str(HERE / "weight_bound.py"), "--model", str(model)] + (["--quick"] if quick else [])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"weight_bound.py failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def round_ratios(vllm: dict, ttserve: dict, levels: list[int], bound_ms: float) -> dict:
+    """One round's ratios ttserve / vLLM at each concurrency, and each c=1 TPOT / the bound."""
+    out: dict = {}
+    for c in levels:
+        v, t = vllm["runs"][c], ttserve["runs"][c]
+        out[c] = {k: round(t[k] / v[k], 3) for k in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms")}
+    if 1 in levels:
+        out["tpot_c1_over_bound"] = {"vllm": round(vllm["runs"][1]["tpot_p50_ms"] / bound_ms, 3),
+                                     "ttserve": round(ttserve["runs"][1]["tpot_p50_ms"] / bound_ms, 3)}
+    return out
+
+
 def _median(rounds: list[dict], c: int, key: str) -> float:
     return statistics.median(r["runs"][c][key] for r in rounds)
 
@@ -274,10 +299,15 @@ def main() -> int:
     model = resolve_model(args.model)
     name = model.name
     results: dict[str, list[dict]] = {"vllm": [], "ttserve": []}
+    bounds: list[dict] = []
+    per_round: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="vs_vllm-") as tmp:
         client = BenchClient(Path(tmp))
         try:
             for i in range(args.rounds):
+                bounds.append(weight_read_bound(model, args.quick))
+                print(f"round {i + 1}: weight-read bound {bounds[-1]['bound_ms']:.2f} ms per step "
+                      f"({bounds[-1]['gb_per_s']:.1f} GB/s, {bounds[-1]['kernel']})", flush=True)
                 order = ["vllm", "ttserve"] if i % 2 == 0 else ["ttserve", "vllm"]
                 order = [args.only] if args.only else order
                 for which in order:
@@ -286,6 +316,10 @@ def main() -> int:
                     print(f"round {i + 1}: {which}", flush=True)
                     results[which].append(run_server(client, server, model, name, levels, prompts_per,
                                                      output_len, Path(tmp), args.timeout))
+                if not args.only:
+                    per_round.append(round_ratios(results["vllm"][-1], results["ttserve"][-1], levels,
+                                                  bounds[-1]["bound_ms"]))
+                    print(f"round {i + 1} ratios ttserve / vLLM: {json.dumps(per_round[-1])}", flush=True)
         finally:
             client.close()
     if args.only:
@@ -293,6 +327,14 @@ def main() -> int:
         return 0
     summary = report(results, levels, kv_bytes)
     summary["rounds"] = results
+    summary["round_ratios"] = per_round
+    summary["weight_read_bound"] = bounds
+    if 1 in levels:
+        bound = statistics.median(b["bound_ms"] for b in bounds)
+        tpot = {k: _median(results[k], 1, "tpot_p50_ms") for k in results}
+        print(f"\nweight-read bound {bound:.2f} ms per step (median of {len(bounds)}); c=1 TPOT p50 / bound: "
+              f"vLLM {tpot['vllm'] / bound:.2f}, ttserve {tpot['ttserve'] / bound:.2f}")
+        summary["tpot_c1_over_bound"] = {k: round(v / bound, 3) for k, v in tpot.items()}
     summary["settings"] = {"input_len": INPUT_LEN, "output_len": output_len, "prompts": prompts_per,
                            "dtype": args.dtype, "vllm_enforce_eager": args.enforce_eager,
                            "kv_cache_bytes": kv_bytes, "cores": sorted(os.sched_getaffinity(0))}

@@ -217,7 +217,9 @@ def request_tracing(args: argparse.Namespace) -> RequestTracing:
     if modules and not args.otlp_traces_endpoint:
         raise ConfigError("--collect-detailed-traces needs --otlp-traces-endpoint (where the traces go)")
     tracer = Tracer.otlp(args.otlp_traces_endpoint, "control")
-    return RequestTracing(tracer, worker_steps=bool(modules & {"all", "worker"}))
+    # vLLM's "model" (forward timings) and "worker" both mean the worker's step spans here,
+    # which carry the model's time of the step.
+    return RequestTracing(tracer, worker_steps=bool(modules))
 
 
 async def _serve(config: EngineConfig, args: argparse.Namespace, tracing: RequestTracing) -> int:

@@ -24,7 +24,7 @@ from .queue_bounds import Ledger
 from .worker_group import StepFailure, Warm, WorkerDraining, WorkerGroup, WorkerLost
 from .worker_link import WorkerError, WorkerHeldElsewhere
 from .worker_set import WorkerSpec
-from ttserve.tracing import Tracer
+from ttserve.tracing import Tracer, trace_id_of
 
 __all__ = ["Engine", "EngineConfig", "IncompatibleWorker"]
 
@@ -171,7 +171,7 @@ class Engine:
             if image_problem:
                 raise AdmissionError(f"invalid image inputs: {image_problem}")
         except AdmissionError as e:
-            self.tracing.verdict(request, False, str(e))
+            self.tracing.verdict(request, None, str(e))
             self.metrics.refused.labels("invalid").inc()
             if request.output_token_ids:
                 self.metrics.resumptions.labels("invalid").inc()
@@ -186,7 +186,7 @@ class Engine:
             request.await_grammar()
             self._compile(request)
         self.workers[placed.worker].admit(request, placed.index)
-        self.tracing.verdict(request, True)
+        self.tracing.verdict(request, self.workers[placed.worker].name)
         queue.put_nowait(Admission(request.request_id, Verdict.ACCEPTED))
 
     def _compile(self, request: Request) -> None:
@@ -421,7 +421,9 @@ class Engine:
 
     def _finished(self, request: Request, now: float) -> None:
         self.metrics.finished(request, now)
-        trace_id = self.tracing.finished(request, self.worker_names[request.worker], now)
+        # Its own trace, or when this control plane does not trace, the one it arrived in.
+        trace_id = (self.tracing.finished(request, self.worker_names[request.worker], now)
+                    or trace_id_of(request.trace_headers.get("traceparent")))
         if not request_log.isEnabledFor(logging.INFO):
             return
         ttft = (f"{request.first_token_time - request.received_time:.3f}"
@@ -481,7 +483,9 @@ class Engine:
                 self._handed_off.add(request.request_id)
             else:
                 request.migrated()
-            self.tracing.migrating(request, self.worker_names[request.worker], reason, time.monotonic())
+            if self.tracing.enabled:
+                self.tracing.migrating(request, self.worker_names.get(request.worker, str(request.worker)), reason,
+                                       time.monotonic())
             self._migrating.append(request)
             self._expiry[request.request_id] = loop.call_later(self.config.migration_timeout_s,
                                                                self._migration_expired, request, reason)

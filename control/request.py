@@ -308,6 +308,14 @@ class Request:
         if self.trace is not None:
             self.trace.preempted(time.monotonic())
 
+    def traced(self, trace: RequestTrace) -> None:
+        """Its span here started (request_trace.RequestTracing.arrived)."""
+        self.trace = trace
+
+    def untraced(self) -> None:
+        """Its span here ended (refused, or finished)."""
+        self.trace = None
+
     def migrated(self) -> None:
         """It moves off a lost worker (counted against --migration-limit)."""
         self.num_migrations += 1

@@ -84,20 +84,21 @@ class RequestTracing:
                                              "gen_ai.usage.prompt_tokens": request.num_prompt_tokens,
                                              "gen_ai.request.max_tokens": request.sampling.max_tokens,
                                              "ttserve.resumed_tokens": len(request.output_token_ids) or None})
-        request.trace = RequestTrace(span, self.worker_steps)
+        request.traced(RequestTrace(span, self.worker_steps))
 
-    def verdict(self, request: Request, accepted: bool, reason: str = "") -> None:
-        """The admission span; a refused request's trace ends here."""
+    def verdict(self, request: Request, worker: str | None, reason: str = "") -> None:
+        """The admission span: placed on `worker` (its name), or refused for `reason` (None
+        worker), which ends the request's trace here."""
         trace = request.trace
         if trace is None:
             return
+        accepted = worker is not None
         self.tracer.record("admission", trace.span, wall_ns(request.received_time), time.time_ns(),
                            {"ttserve.verdict": "accepted" if accepted else "invalid_argument",
-                            "ttserve.worker": request.worker if accepted else None,
-                            "ttserve.lane": request.lane if accepted else None})
+                            "ttserve.worker": worker, "ttserve.lane": request.lane if accepted else None})
         if not accepted:
             trace.span.end(error=reason)
-            request.trace = None
+            request.untraced()
 
     def stepped(self, worker: str, plan: StepPlan, sent: float, landed: float) -> None:
         """A step of `plan` sent at `sent` landed at `landed` (monotonic): its prefill chunks'
@@ -128,8 +129,17 @@ class RequestTracing:
                                {"ttserve.recompute_tokens": request.num_tokens})
             trace.waiting_since = None
 
+    def _requeue_ends(self, request: Request, trace: RequestTrace, now: float) -> None:
+        """A preemption still waiting for its recompute ends at `now` (it migrates or finishes)."""
+        if trace.waiting_since is not None:
+            self.tracer.record("preempted", trace.span, wall_ns(trace.waiting_since), wall_ns(now),
+                               {"ttserve.recompute_tokens": request.num_tokens, "ttserve.recomputed": False})
+            trace.waiting_since = None
+
     def migrating(self, request: Request, worker: str, reason: str, now: float) -> None:
         trace = request.trace
+        if trace is not None:
+            self._requeue_ends(request, trace, now)
         if trace is not None and trace.moving_since is None:
             trace.moving_since, trace.moving_from = now, worker
             trace.span.event("migration.started", {"ttserve.reason": reason, "ttserve.from_worker": worker},
@@ -151,6 +161,7 @@ class RequestTracing:
         if trace is None:
             return None
         end_ns = wall_ns(now)
+        self._requeue_ends(request, trace, now)
         if trace.moving_since is not None:
             self.tracer.record("migration", trace.span, wall_ns(trace.moving_since), end_ns,
                                {"ttserve.from_worker": trace.moving_from, "ttserve.placed": False})
@@ -162,7 +173,8 @@ class RequestTracing:
                                {"gen_ai.usage.completion_tokens": generated,
                                 "ttserve.decode_steps": trace.decode_steps_landed})
         reason = request.finish_reason.value if request.finish_reason is not None else None
-        trace.span.set({"gen_ai.usage.completion_tokens": generated, "gen_ai.response.finish_reasons": reason,
+        trace.span.set({"gen_ai.usage.completion_tokens": generated,
+                        "gen_ai.response.finish_reasons": [reason] if reason else None,
                         "ttserve.worker": worker, "ttserve.lane": request.lane,
                         "ttserve.cached_tokens": request.num_cached_tokens,
                         "ttserve.preemptions": request.num_preemptions, "ttserve.migrations": request.num_migrations,
@@ -170,5 +182,5 @@ class RequestTracing:
                             request.first_token_time - request.received_time
                             if request.first_token_time is not None else None})
         trace.span.end(end_ns, error=request.error or None)
-        request.trace = None
+        request.untraced()
         return trace.trace_id

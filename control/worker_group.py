@@ -133,6 +133,7 @@ class WorkerGroup:
         self.config = config
         self.metrics = metrics or ControlMetrics()
         self.tracing = tracing or RequestTracing(Tracer.off())
+        self._tracing_failed = False
         self.metrics.stalls.labels(self.name)  # exported as 0 from the start, for alert rules
         self.lane_group: LaneGroup | None = None
         self.description: WorkerDescription | None = None
@@ -355,8 +356,7 @@ class WorkerGroup:
                     self.metrics.step(self.name, plan.kind, outcome.traced, outcome.sampled_on_device,
                                       outcome.total_s, landed - done.sent)
                     if self.tracing.enabled:
-                        for lane_plan in plan.lanes:
-                            self.tracing.stepped(self.name, lane_plan, done.sent, landed)
+                        self._traced(plan, done.sent, landed)
                     yield Stepped(outcome.step_id, group.update(plan, outcome.sampled, outcome.logprobs,
                                                                 outcome.refused, outcome.accepted,
                                                                 outcome.draft_logprobs))
@@ -368,6 +368,16 @@ class WorkerGroup:
         finally:
             ended.cancel()
         raise WorkerDraining(f"worker {self.name} at {self.address} is shutting down", self.release())
+
+    def _traced(self, plan: GroupPlan, sent: float, landed: float) -> None:
+        """The step's spans; a fault in tracing must not end this worker's step loop."""
+        try:
+            for lane_plan in plan.lanes:
+                self.tracing.stepped(self.name, lane_plan, sent, landed)
+        except Exception:  # noqa: BLE001 - telemetry, never the request's fault
+            if not self._tracing_failed:
+                log.exception("recording a step's trace spans failed; tracing goes on, this is logged once")
+            self._tracing_failed = True
 
     async def _step_failed(self, link: WorkerLink, failure: StepFailed,
                            in_flight: deque[InFlight]) -> StepFailure:

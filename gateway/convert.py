@@ -234,8 +234,9 @@ def to_engine_core_output(out: engine_pb2.RequestOutput, track: RequestTrack) ->
     output = EngineCoreOutput(request_id=out.request_id, new_token_ids=list(out.new_token_ids),
                               finish_reason=finish_reason, stop_reason=stop_reason,
                               new_logprobs=logprobs_lists(out))
-    if finish_reason is not None:
-        output.trace_headers = track.trace_headers
+    # On every output, as vLLM's scheduler sets it: the frontend may finish the request itself (a
+    # stop string its detokenizer finds), and vLLM's llm_request span takes its parent from there.
+    output.trace_headers = track.trace_headers
     if not track.started:
         track.started = True
         cached = min(track.num_cached_tokens, track.num_prompt_tokens)

@@ -443,12 +443,15 @@ def install_middleware(app, api_keys=None, public_metrics: bool = False,
     if api_keys:
         app.user_middleware.insert(0, Middleware(ApiKeyMiddleware, keys=api_keys, public_metrics=public_metrics,
                                                  rate_limit=True))
-    if tracer is not None and tracer.enabled:
-        from ttserve.gateway.http_tracing import TracingMiddleware
-        app.user_middleware.insert(0, Middleware(TracingMiddleware, tracer=tracer))
     # build_app has already built the middleware stack (SageMaker bootstrap), so
     # add_middleware() is refused: rebuild it, as that bootstrap does.
     app.middleware_stack = app.build_middleware_stack()
+    if tracer is not None and tracer.enabled:
+        # Around the built stack, not in user_middleware: Starlette puts its ServerErrorMiddleware
+        # (which runs vLLM's handler for any Exception, the 500s) outside every user middleware,
+        # and those answers need their trace id most.
+        from ttserve.gateway.http_tracing import TracingMiddleware
+        app.middleware_stack = TracingMiddleware(app.middleware_stack, tracer=tracer)
 
 
 async def serve_vllm_app(args: argparse.Namespace, vllm_args: argparse.Namespace, vllm_config,

@@ -272,10 +272,46 @@ def test_off_the_middleware_is_not_installed_and_on_it_is_outermost(spans):
 
     off = FastAPI()
     install_middleware(off, tracer=Tracer.off())
-    assert TracingMiddleware not in [m.cls for m in off.user_middleware]
+    assert not isinstance(off.middleware_stack, TracingMiddleware)
     on = FastAPI()
     install_middleware(on, tracer=spans[0])
-    assert on.user_middleware[0].cls is TracingMiddleware
+    # Around the whole built stack, Starlette's ServerErrorMiddleware (the 500s) included.
+    assert isinstance(on.middleware_stack, TracingMiddleware)
+
+
+def test_a_500_from_an_unhandled_exception_carries_the_trace_id(spans):
+    # vLLM registers a handler for Exception (exception_handling/register.py), which Starlette
+    # runs in ServerErrorMiddleware, outside every user middleware: the tracing layer must be
+    # outside that too, or the answer that most needs a trace id gets none.
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from ttserve.gateway.server import install_middleware
+
+    tracer, exporter = spans
+    app = FastAPI()
+
+    @app.exception_handler(Exception)
+    async def handler(request, exc):
+        return JSONResponse({"error": {"message": f"engine fell over: {exc}", "type": "InternalServerError",
+                                       "code": 500}}, status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: dict):
+        raise RuntimeError("boom")
+
+    install_middleware(app, tracer=tracer)
+    import httpx
+
+    async def go():  # Starlette re-raises after its 500 is sent (uvicorn logs it): not the client's
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            return await client.post("/v1/chat/completions", json={})
+    response = asyncio.run(go())
+    (span,) = exporter.get_finished_spans()
+    trace_id = format(span.context.trace_id, "032x")
+    assert response.status_code == 500 and trace_id in response.headers["traceresponse"]
+    assert response.json()["error"]["message"].endswith(f"(trace_id {trace_id})")
 
 
 def test_on_the_gateways_app_the_span_is_named_by_its_route(spans):
@@ -329,13 +365,15 @@ def test_add_request_carries_the_trace_headers():
     assert not convert.to_add_request(core_request()).trace_headers  # untraced: empty
 
 
-def test_only_a_requests_finishing_output_carries_its_trace_headers():
+def test_every_output_of_a_request_carries_its_trace_headers():
+    # The frontend itself may finish a request on any output (a stop string its detokenizer
+    # finds), and vLLM's llm_request span is parented by that output's trace_headers.
     headers = {"traceparent": CLIENT_PARENT}
     track = convert.RequestTrack.of(core_request(trace_headers=headers))
     first = convert.to_engine_core_output(engine_pb2.RequestOutput(request_id="r", new_token_ids=[5]), track)
     last = convert.to_engine_core_output(engine_pb2.RequestOutput(
         request_id="r", new_token_ids=[6], finish_reason=engine_pb2.FINISH_REASON_LENGTH), track)
-    assert first.trace_headers is None and last.trace_headers == headers
+    assert first.trace_headers == headers and last.trace_headers == headers
     assert convert.finished_output("r", FinishReason.ERROR, track.trace_headers).trace_headers == headers
     assert convert.RequestTrack.of(core_request()).trace_headers is None
 

@@ -226,6 +226,7 @@ class DeviceService(device_pb2_grpc.DeviceServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
             # On the device thread: behind any step an earlier, cancelled stream left running.
             await self._on_device(self.runner.reset)
+            self.tracing.dropped()  # step ids start again with each stream
             # The control plane counts this worker as serving once it sees these (WorkerLink.open).
             await context.send_initial_metadata(STREAM_ACCEPTED)
             async for pb in self._batches_until_drained(batches):

@@ -51,6 +51,6 @@ class StepTracing:
                            links=traced.parents[1:])
 
     def dropped(self) -> None:
-        """The stream's device state was dropped (a failed step, a new stream): nothing pending
-        will get a result."""
+        """The device state was dropped (a failed step, a new stream, whose step ids start
+        again at 1): nothing pending will get a result."""
         self._pending.clear()
