@@ -192,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     signal, 2 for refused flags or files (argparse's status too), 1 for anything a restart or
     the control plane could fix (gateway/server.py)."""
     setup_logging()  # a no-op under `ttserve gateway`, which has set it up already
+    from ttserve.malloc_arenas import cap_malloc_arenas
+    cap_malloc_arenas()  # before vLLM's, the tokenizers' and gRPC's threads start
     from ttserve.gateway.server import StartupError, serve
 
     try:

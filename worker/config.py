@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from ttserve.tls import Tls, TlsConfigError, grpc_server_tls
 from ttserve.exit_status import CONFIG_REFUSED
+from ttserve.malloc_arenas import cap_malloc_arenas
 from ttserve.tls import add_arguments as add_tls_arguments
 from ttserve.tracing import Tracer, TracingUnavailable
 from ttserve.tracing import add_arguments as add_tracing_arguments
@@ -191,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     # 283/540 tok/s, against 178/385 passive with decodes of <= 8 rows on one thread (the
     # setting before). An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
     os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+    cap_malloc_arenas()  # before torch's and gRPC's threads start
     try:
         tls = worker_tls(args)  # before the model loads: a bad certificate path fails in a second
         service = build_service(args, args.control_identity)

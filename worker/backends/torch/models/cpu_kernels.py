@@ -175,8 +175,23 @@ def _probe(dtype: torch.dtype) -> str:
     return _probed[dtype]
 
 
-# vLLM's size for each handler's cache of primitives by row count (layers/utils.py passes 32).
-_PRIMITIVE_CACHE = 32
+# Each handler caches one oneDNN primitive per row count it has seen, LRU (vLLM's layers/utils.py
+# passes 32). A new row count costs ~0.6-2 ms per handler to create (measured, SmolLM2's shapes on
+# the 2-core Xeon): ~100-150 ms for a step through all 151 of SmolLM2's GEMMs, and ~30-50 KB of
+# resident memory each. Prefill row counts (a step's chunk tokens) take any value, so they are
+# rounded up to ROW_BUCKETS (the extra rows are zeros whose products are dropped): a prompt of a
+# new length reuses a warm primitive, and the cache holds every bucket and decode count at once.
+_PRIMITIVE_CACHE = 64
+DECODE_ROWS = 32      # up to here every row count is its own primitive (decode batches)
+ROW_STEP_SMALL, ROW_STEP = 32, 256  # then multiples of 32 up to 256, then of 256
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a GEMM of `rows` rows runs at (>= rows)."""
+    if rows <= DECODE_ROWS:
+        return rows
+    step = ROW_STEP_SMALL if rows <= ROW_STEP else ROW_STEP
+    return -(-rows // step) * step
 
 
 class MatMul:
@@ -202,9 +217,18 @@ class MatMul:
         self.release = weakref.finalize(self, torch.ops._C.release_dnnl_matmul_handler, pointer)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((*x.shape[:-1], self.out_features))
-        torch.ops._C.onednn_mm(out, x.reshape(-1, self.in_features), self.bias, self.handler)
-        return out
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        bucket = row_bucket(rows)
+        if bucket == rows:
+            out = x.new_empty((*x.shape[:-1], self.out_features))
+            torch.ops._C.onednn_mm(out, flat, self.bias, self.handler)
+            return out
+        padded = flat.new_zeros((bucket, self.in_features))
+        padded[:rows] = flat
+        out = flat.new_empty((bucket, self.out_features))
+        torch.ops._C.onednn_mm(out, padded, self.bias, self.handler)
+        return out[:rows].view(*x.shape[:-1], self.out_features)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
