@@ -542,10 +542,16 @@ def test_the_capability_is_the_classes_and_the_wire_carries_drafts(smollm2):
     sim = SimModel.for_profile(PROFILES["n300-llama-3.1-8b"])
     assert supports(TorchLlamaForCausalLM) and supports(TorchGemma3ForCausalLM)
     assert not supports(type("NoVerify", (sim,), {"verify_forward": None}))  # a class that declares none
-    # The ttnn backend calls a class's own verify_forward (none declares one today).
-    verified = TtnnBackend(resolve_mesh("N150", 1), {}).verify(
-        type("Declares", (), {"verify_forward": lambda self, **kw: torch.ones(1, 2, 3)})(), tokens=None)
-    assert verified.shape == (1, 2, 3)
+    # A mesh never takes drafts: the TT plugin's speculative contract is its own (model_capabilities
+    # supports_spec_decode, spec_plan, decode_forward over [B, 1 + K]; vllm_tt_plugin's spec decode
+    # contract module), which ttserve does not drive, and verify_forward is ttserve's name, not tt-metal's.
+    mesh = TtnnBackend(resolve_mesh("N150", 1), {})
+    declares = type("Declares", (), {"verify_forward": lambda self, **kw: torch.ones(1, 2, 3),
+                                     "model_capabilities": {"supports_spec_decode": True},
+                                     "spec_plan": classmethod(lambda cls, *a: None)})
+    assert not mesh.verifies_drafts(declares)
+    with pytest.raises(NotImplementedError):
+        mesh.verify(declares(), tokens=None)
     pb = device_pb2.StepBatch(step_id=3, kind=device_pb2.STEP_KIND_DECODE,
                               decode=[device_pb2.DecodeItem(request_id="a", token_id=5, position=9,
                                                             draft_token_ids=[7, 8])])

@@ -109,7 +109,9 @@ def _speculation_line(config: EngineConfig | None, d: WorkerDescription) -> str:
     if spec is None:
         state = "off (no --speculative-config)"
     elif not d.supports_speculative_decoding:
-        state = (f"off: {d.architecture} on the {d.backend} backend cannot verify draft tokens (no verify_forward); "
+        why = ("ttserve does not drive the TT plugin's speculative contract (supports_spec_decode, spec_plan, "
+               "decode_forward over [B, 1 + K]) yet" if d.backend == "ttnn" else "no verify_forward")
+        state = (f"off: {d.architecture} on the {d.backend} backend cannot verify draft tokens ({why}); "
                  f"--speculative-config ({spec.describe()}) is ignored")
     else:
         state = f"on: {spec.describe()}; decode steps are not pipelined"

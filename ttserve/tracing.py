@@ -30,6 +30,11 @@ TRACE_HEADERS = ("traceparent", "tracestate")  # what is carried from service to
 class TracingUnavailable(RuntimeError):
     """--otlp-traces-endpoint was given and the OpenTelemetry SDK is not installed."""
 
+    @classmethod
+    def missing(cls, module: str) -> TracingUnavailable:
+        return cls(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporter ({module} is "
+                   "missing): pip install 'ttserve[tracing]'")
+
 
 def trace_id_of(traceparent: str | None) -> str | None:
     """The trace id a W3C traceparent names, None for a missing or malformed one."""
@@ -171,9 +176,7 @@ def require(modules: Sequence[str]) -> None:
         try:
             importlib.import_module(module)
         except ImportError as e:
-            raise TracingUnavailable(
-                f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporter ({e.name or module} is "
-                "missing): pip install 'ttserve[tracing]'") from None
+            raise TracingUnavailable.missing(e.name or module) from None
 
 
 def _provider(endpoint: str, service: str, attributes: Mapping[str, str]) -> Any:
@@ -182,9 +185,7 @@ def _provider(endpoint: str, service: str, attributes: Mapping[str, str]) -> Any
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as e:
-        raise TracingUnavailable(
-            f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporter ({e.name} is missing): "
-            "pip install 'ttserve[tracing]'") from None
+        raise TracingUnavailable.missing(e.name) from None
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"ttserve-{service}",
                                 "process.pid": os.getpid(), **attributes})
     provider = TracerProvider(resource=resource)
@@ -204,8 +205,7 @@ def span_exporter(endpoint: str) -> Any:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
             return HttpExporter(endpoint=endpoint)
     except ImportError as e:
-        raise TracingUnavailable(f"--otlp-traces-endpoint needs the OTLP exporter ({e.name} is missing): "
-                                 "pip install 'ttserve[tracing]'") from None
+        raise TracingUnavailable.missing(e.name) from None
     raise TracingUnavailable(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r} is not supported: use grpc or "
                              "http/protobuf")
 

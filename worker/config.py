@@ -116,7 +116,7 @@ def build_service(args: argparse.Namespace, control_identity: str | None = None)
             log.error("%s", problem)
         raise ConfigRefused(plan.fatal[-1])
     try:
-        tracer = Tracer.otlp(getattr(args, "otlp_traces_endpoint", None), "worker")
+        tracer = Tracer.otlp(args.otlp_traces_endpoint, "worker")
     except TracingUnavailable as e:
         raise ConfigRefused(str(e)) from None
     # After the plan: a refusal that needs no torch (flags, files, a missing ttnn) comes without

@@ -102,6 +102,11 @@ class DeviceBackend(Protocol):
         which the runner holds until `close`."""
         ...
 
+    def verifies_drafts(self, model_cls: type) -> bool:
+        """Decode rows of this class may carry draft tokens (speculative decoding), which
+        `verify` scores."""
+        ...
+
     def hybrid_kv_cache(self, model_cls: type) -> bool:
         """The class takes hybrid KV cache groups (worker/kv_groups.py): a page table per layer
         (`page_tables_per_layer`, with every step) and layers sharing KV buffers
@@ -162,9 +167,7 @@ class DeviceBackend(Protocol):
         page_tables_per_layer, rope_deltas_all_users])`, row i computing tokens[i, :num_tokens[i]]
         (its fed token, then its draft tokens) from position start_pos[i], as batch row
         empty_slots[i]. Returns float32 logits [B, S, vocab] of every position, never tokens: a
-        verify step samples on the host. The runner calls it only for a class that declares a
-        callable `verify_forward` (ModelRunner.supports_speculative_decoding); a backend with no
-        such entry point raises NotImplementedError."""
+        verify step samples on the host. The runner calls it only where `verifies_drafts`."""
         ...
 
     def reset(self) -> None:

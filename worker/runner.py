@@ -229,10 +229,10 @@ class ModelRunner:
 
     @functools.cached_property
     def supports_speculative_decoding(self) -> bool:
-        """Decode rows may carry draft tokens (device.proto DecodeItem.draft_token_ids): the class
-        declares a callable `verify_forward`, which the backend's `verify` runs (the torch
-        reference models and the sim's; no tt-metal class)."""
-        return callable(getattr(self.model_cls, "verify_forward", None))
+        """Decode rows may carry draft tokens (device.proto DecodeItem.draft_token_ids), which the
+        backend's `verify` scores: its decision (the torch reference models and the sim's
+        `verify_forward`; no mesh class today, backends/ttnn/backend.py says why)."""
+        return self.backend.verifies_drafts(self.model_cls)
 
     @functools.cached_property
     def _device_top_k(self) -> int | None:

@@ -130,7 +130,7 @@ def plan_worker(args: argparse.Namespace, env: Mapping[str, str] = os.environ, *
         _plan_ttnn(plan, env, serving)
     else:
         _plan_reference(plan, args, env, serving)
-    if getattr(args, "batch_invariant", False):
+    if args.batch_invariant:
         _plan_batch_invariance(plan, args)
     if "vision_config" in plan.hf_config and not plan.fatal:
         plan.say("images", "taken: the gateway runs vLLM's processor for the model; each prefill user gets its "

@@ -64,6 +64,10 @@ class TorchBackend:
         release_free_heap()  # the checkpoint's float32 copies, freed while loading
         return model
 
+    def verifies_drafts(self, model_cls: type) -> bool:
+        """The reference models and the sim declare `verify_forward` (ttserve's own entry point)."""
+        return callable(getattr(model_cls, "verify_forward", None))
+
     def hybrid_kv_cache(self, model_cls: type) -> bool:
         """A reference model that reads a page table per layer says so (gemma3.py)."""
         return bool(getattr(model_cls, "hybrid_kv_cache_groups", False))

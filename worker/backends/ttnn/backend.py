@@ -233,6 +233,18 @@ class TtnnBackend:
         devices = max(1, self.spec.num_devices // tt_data_parallel)
         return (num_blocks, num_kv_heads // min(devices, num_kv_heads), block_size, head_dim)
 
+    def verifies_drafts(self, model_cls: type) -> bool:
+        """Never on a mesh today. The TT plugin's speculative contract (vllm_tt_plugin's spec
+        decode contract module, its issue #110) is not ttserve's `verify_forward`: a class declares
+        `model_capabilities["supports_spec_decode"]`, `spec_requirements` and a `spec_plan`
+        classmethod returning SpecPlan (effective k, rows per request, accept modes "logits" or
+        "argmax_ids"), and verifies through `decode_forward` over a [B, 1 + K] block, with
+        `propose_draft_tokens` for device drafters. ttserve drives none of it yet, so a mesh
+        worker reports no speculative decoding and its rows never carry drafts (`ttserve check`
+        says so); n-gram drafts (a host drafter there, requiring nothing of the model) are what it
+        would take first."""
+        return False
+
     def hybrid_kv_cache(self, model_cls: type) -> bool:
         """Never on a mesh today. The plugin sends `page_tables_per_layer` only when vLLM forms
         several KV groups, and tt-metal's `HybridAttentionForCausalLM.get_kv_cache_spec`
@@ -430,12 +442,7 @@ class TtnnBackend:
         return self._in_flight
 
     def verify(self, model: Any, **inputs: Any) -> Any:
-        """A class's `verify_forward` (speculative decoding; ttserve's reference-model contract:
-        logits [B, S, vocab] of every position). No tt-metal class declares one today, so the
-        worker reports no speculative decoding and gets no drafts; a class that declares it is
-        called here, its host logits read as a decode's are."""
-        with device_errors("verify"):
-            return host_output(model.verify_forward(**inputs))
+        raise NotImplementedError("ttserve drives no TT speculative decoding contract yet (verifies_drafts)")
 
     def reset(self) -> None:
         """The next decode reloads its inputs from the host (a new step stream's rows)."""
