@@ -97,3 +97,19 @@ def test_a_vision_model_gets_vllms_multimodal_flags_and_a_text_model_none(tiny_v
     config = build_vllm_config(parse_vllm_args(argv), vision)
     assert config.model_config.is_multimodal_model and config.model_config.uses_mrope
     assert config.model_config.get_multimodal_config().mm_processor_cache_gb == 0
+
+
+def test_the_gateway_imports_vllm_without_triton():
+    """A gateway runs no kernel: vLLM's import must leave triton unloaded (71 MiB of RSS) and
+    vLLM must see it as absent, not fail on it (vllm_compat.hide_kernel_compilers)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "from ttserve.gateway import vllm_compat\n"
+             "vllm_compat.prepare()\n"
+             "import vllm.engine.arg_utils, vllm.entrypoints.launchers.app\n"
+             "from vllm.triton_utils import HAS_TRITON\n"
+             "print(HAS_TRITON, sorted(m for m in sys.modules if m.startswith('triton') and sys.modules[m]))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split("\n")[-2] == "False []", out.stdout + out.stderr
