@@ -78,7 +78,7 @@ def test_attention_without_kv_split_gives_each_query_its_decode_bits():
         pos = torch.arange(first, first + count)
         step = cpu_kernels.Attention.plan(0, count, table[0, pos // block] * block + pos % block,
                                           torch.tensor(query_lens), torch.tensor(seq_lens), table.expand(rows, -1),
-                                          heads, kv_heads, head_dim, BF16, isa, kv_split=False)
+                                          heads, kv_heads, head_dim, block, BF16, isa, kv_split=False)
         out = torch.empty(count, heads, head_dim, dtype=BF16)
         q = queries[first - context:first - context + count] if first >= context else torch.zeros(count, heads, head_dim, dtype=BF16)
         step(q, keys[first:first + count], values[first:first + count], k_cache, v_cache, out)

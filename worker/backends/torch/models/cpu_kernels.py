@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import paged_kv
+from . import decode_attention, paged_kv
 
 log = logging.getLogger(__name__)
 
@@ -259,31 +259,44 @@ class Attention:
     query_start_loc: torch.Tensor  # [rows + 1] int32
     seq_lens: torch.Tensor         # [rows] int32: context after this step
     block_table: torch.Tensor      # [rows, blocks] int32
-    metadata: torch.Tensor         # the kernel's work split over threads
+    metadata: torch.Tensor | None  # vLLM's kernel's work split over threads; None: ttserve's decode kernel
     isa: str                       # the kernels' instruction set (isa())
 
     @classmethod
     def plan(cls, start: int, stop: int, slots: torch.Tensor, query_lens: torch.Tensor,
              seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, num_kv_heads: int,
-             head_dim: int, dtype: torch.dtype, kernel_isa: str, kv_split: bool = True) -> Attention:
+             head_dim: int, block_size: int, dtype: torch.dtype, kernel_isa: str,
+             kv_split: bool = True) -> Attention:
         """kv_split: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1), which keeps both cores busy on a
         single long row by splitting its keys over threads and merging their partial softmaxes.
         How a row is split depends on the other rows of the step, so its bits do too; off (batch
-        invariance), each query row is one thread's, summed in key order, whatever shares the step."""
+        invariance), each query row is one thread's, summed in key order, whatever shares the step,
+        and every step runs vLLM's kernel.
+
+        A decode step (one query a row) with at least two (row, KV head) pairs per thread runs
+        ttserve's decode kernel (decode_attention.py) where it is available; fewer pairs than
+        that leave a thread idle, which vLLM's KV split does not."""
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         seq_lens = seq_lens.to(torch.int32)
-        metadata = torch.ops._C.get_scheduler_metadata(
+        own = (kv_split and len(query_lens) * num_kv_heads >= 2 * torch.get_num_threads()
+               and bool((query_lens == 1).all())
+               and not decode_attention.unavailable(dtype, num_heads, num_kv_heads, head_dim, block_size))
+        metadata = None if own else torch.ops._C.get_scheduler_metadata(
             len(query_lens), num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc,
             True, -1, kernel_isa, kv_split, None, "auto")
-        return cls(start, stop, slots, query_start_loc, seq_lens, block_table.to(torch.int32), metadata,
-                   kernel_isa)
+        return cls(start, stop, slots, query_start_loc, seq_lens, block_table.to(torch.int32).contiguous(),
+                   metadata, kernel_isa)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                  cache_v: torch.Tensor, out: torch.Tensor) -> None:
         """Writes k, v [tokens, kv_heads, head_dim] into the cache, then attends q [tokens, heads,
         head_dim] (causal, over each row's whole context) into out."""
         torch.ops._C.cpu_attn_reshape_and_cache(k, v, cache_k, cache_v, self.slots, self.isa)
+        if self.metadata is None:
+            decode_attention.decode_attention(q, cache_k, cache_v, out, self.block_table, self.seq_lens,
+                                              1.0 / math.sqrt(q.shape[-1]))
+            return
         torch.ops._C.cpu_attention_with_kv_cache(
             q, cache_k, cache_v, out, self.query_start_loc, self.seq_lens, 1.0 / math.sqrt(q.shape[-1]),
             True, None, -1, self.block_table, 0.0, self.metadata, None, None)

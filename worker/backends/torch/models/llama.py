@@ -53,7 +53,7 @@ from safetensors import safe_open
 
 from ttserve.worker.sampling import SamplingBatch, sample
 
-from . import cpu_kernels, paged_kv
+from . import cpu_kernels, decode_attention, paged_kv
 from .decode_graph import DecodeGraph
 from .linear import BatchInvarianceError, Linear, SwiGLU, rows_invariant
 from .paged_kv import KVCache
@@ -404,6 +404,10 @@ class TorchLlamaForCausalLM:
         if not why:
             self.kernel_isa = cpu_kernels.isa(dtype, block_size, head_dim)
             log.info("attention, norms and RoPE run vLLM CPU's kernels (%s)", self.kernel_isa)
+            if not self.batch_invariant:
+                own = decode_attention.unavailable(dtype, self.shape.num_heads, kv_heads, head_dim, block_size)
+                log.info("decode attention at 2+ (row, KV head) pairs per thread: %s",
+                         f"vLLM's kernel ({own})" if own else "ttserve's kernel (decode_attention.c)")
             return cpu_kernels.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim, dtype)
         self.kernel_isa = ""
         if self.device.type == "cpu" and dtype != torch.float32:
@@ -750,7 +754,7 @@ class TorchLlamaForCausalLM:
             slots = pt[row_of[lo:hi], pos // block_size] * block_size + pos % block_size
             lanes.append((lane, cpu_kernels.Attention.plan(
                 lo, hi, slots, lens[rows], end[rows], table, s.num_heads, s.num_kv_heads, s.head_dim,
-                self.dtype, self.kernel_isa, kv_split=not self.batch_invariant)))
+                block_size, self.dtype, self.kernel_isa, kv_split=not self.batch_invariant)))
         return _Packed(chunk_tokens[row_of, within], positions, last, lanes)
 
     def _forward_packed(self, step: _Packed, kv_cache: KVCache) -> torch.Tensor:

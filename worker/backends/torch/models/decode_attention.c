@@ -1,0 +1,232 @@
+/* Paged decode attention for bfloat16 on a CPU, reading vLLM CPU's KV cache layout in place.
+ *
+ * One query token per row attends to every key of its row (the decode step). Work items are
+ * (row, KV head) pairs, each one thread's from its first block to its last, so a row's result
+ * never depends on the other rows of the step. Per block, all of a KV head's query heads are
+ * scored against 16 keys at a time with the scores in registers (the keys are stored transposed,
+ * so 16 consecutive keys of one dimension are one vector), then their probabilities weight the
+ * values in registers: the block is read once for the whole group, keys in address order. While a
+ * block is computed, the next block of the thread's walk is requested (software prefetch), so a
+ * cold cache (the layer's weights have just evicted it) streams instead of stalling each block.
+ * decode_attention.py has the figures.
+ *
+ * Layout (what vLLM CPU's cpu_attn_reshape_and_cache writes for its "vec" and "vec16" ISAs, as
+ * measured in tests/test_decode_attention.py): per (block, KV head), the keys transposed,
+ * [head_dim][block_size], then the values, [block_size][head_dim]; the caller passes the key and
+ * value views' base pointers and their block and head strides in elements.
+ *
+ * Softmax is the online (streaming) form in float32, per block; the output is rounded to
+ * bfloat16 to nearest even. Built by decode_attention.py with -O3 -march=native -ffast-math
+ * (vectorized expf from glibc's libmvec) and OpenMP from the libgomp torch has loaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_BLOCK 256
+#define MAX_HEAD_DIM 256
+#define NEG_BIG (-1.0e30f) /* below every score; finite, as -ffast-math assumes */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define TILE 16 /* tokens per vector */
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* s[g][t0 .. t0 + 16 TN) = sum_d qs[g][d] * K^T[d][t0 ..] for GN <= 4 heads of the group and
+ * TN <= 4 vectors of keys, the scores in registers (GN and TN are literals at every call: the
+ * loops unroll). d outermost: the keys are read in address order, 32 TN bytes of each row of
+ * K^T, which the hardware prefetcher follows through a cold block. */
+static inline __attribute__((always_inline)) void qk_tile(const int GN, const int TN, float qs[][MAX_HEAD_DIM],
+                                                         const uint16_t *kt, int64_t t0, int64_t block_size,
+                                                         int64_t head_dim, float s[][MAX_BLOCK]) {
+    __m512 acc[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int j = 0; j < TN; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d++) {
+        __m512 k[4];
+        for (int j = 0; j < TN; j++) k[j] = load_bf16x16(kt + d * block_size + t0 + 16 * j);
+        for (int g = 0; g < GN; g++) {
+            const __m512 qg = _mm512_set1_ps(qs[g][d]);
+            for (int j = 0; j < TN; j++) acc[g][j] = _mm512_fmadd_ps(qg, k[j], acc[g][j]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int j = 0; j < TN; j++) _mm512_storeu_ps(s[g] + t0 + 16 * j, acc[g][j]);
+}
+
+/* acc[g][d0 .. d0+64) += sum_{t < n} p[g][t] * V[t][d0 ..], GN <= 4 heads, 4 vectors of d. */
+static inline __attribute__((always_inline)) void pv_tile(const int GN, float p[][MAX_BLOCK], const uint16_t *v,
+                                                         int64_t n, int64_t head_dim, int64_t d0, int DV,
+                                                         float acc[][MAX_HEAD_DIM]) {
+    __m512 a[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int j = 0; j < DV; j++) a[g][j] = _mm512_loadu_ps(acc[g] + d0 + 16 * j);
+    for (int64_t t = 0; t < n; t++) {
+        __m512 vv[4];
+        for (int j = 0; j < DV; j++) vv[j] = load_bf16x16(v + t * head_dim + d0 + 16 * j);
+        for (int g = 0; g < GN; g++) {
+            const __m512 pg = _mm512_set1_ps(p[g][t]);
+            for (int j = 0; j < DV; j++) a[g][j] = _mm512_fmadd_ps(pg, vv[j], a[g][j]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int j = 0; j < DV; j++) _mm512_storeu_ps(acc[g] + d0 + 16 * j, a[g][j]);
+}
+#endif
+
+/* Ask for [p, p + bytes) in cache, one request per 64-byte line, without waiting for it. */
+static inline void prefetch_span(const uint16_t *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+}
+
+int ttserve_decode_attention_vector_bits(void) {
+#ifdef __AVX512F__
+    return 512;
+#else
+    return 0;
+#endif
+}
+
+int ttserve_decode_attention_limits(int64_t *max_group, int64_t *max_block, int64_t *max_head_dim) {
+    *max_group = MAX_GROUP;
+    *max_block = MAX_BLOCK;
+    *max_head_dim = MAX_HEAD_DIM;
+    return 1;
+}
+
+/* q [rows, num_heads, head_dim] (row and head strides given, last dim contiguous); out likewise,
+ * contiguous; block_table [rows, table_width] int32; seq_lens [rows] int32 (a row's keys are
+ * positions 0 .. seq_len - 1, its own just written). */
+void ttserve_decode_attention(const uint16_t *q, int64_t q_row_stride, int64_t q_head_stride,
+                              const uint16_t *key_cache, const uint16_t *value_cache,
+                              int64_t block_stride, int64_t head_stride, uint16_t *out,
+                              const int32_t *block_table, int64_t table_width, const int32_t *seq_lens,
+                              int64_t rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                              int64_t block_size, float scale) {
+#ifdef __AVX512F__ /* else never called: vector_bits() says 0 and decode_attention.py refuses */
+    const int64_t group = num_heads / kv_heads;
+    const int64_t items = rows * kv_heads;
+
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t row = item / kv_heads, kv = item % kv_heads;
+        const int64_t len = seq_lens[row];
+        const int64_t blocks = (len + block_size - 1) / block_size;
+        float qs[MAX_GROUP][MAX_HEAD_DIM];
+        float acc[MAX_GROUP][MAX_HEAD_DIM];
+        float s[MAX_GROUP][MAX_BLOCK];
+        float m[MAX_GROUP], l[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            const uint16_t *qh = q + row * q_row_stride + (kv * group + g) * q_head_stride;
+            for (int64_t d = 0; d < head_dim; d++) qs[g][d] = bf16_to_f32(qh[d]) * scale;
+            memset(acc[g], 0, sizeof(float) * head_dim);
+            m[g] = NEG_BIG;
+            l[g] = 0.0f;
+        }
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t id = block_table[row * table_width + b];
+            const uint16_t *kt = key_cache + id * block_stride + kv * head_stride;
+            const uint16_t *v = value_cache + id * block_stride + kv * head_stride;
+            const int64_t n = (b == blocks - 1) ? len - b * block_size : block_size;
+            {
+                /* The block after this one in the thread's walk: the item's next, else the next
+                 * item's first (a static schedule gives each thread consecutive items). */
+                int64_t nrow = row, nkv = kv, nb = b + 1;
+                if (nb >= blocks) { nrow = (item + 1) / kv_heads; nkv = (item + 1) % kv_heads; nb = 0; }
+                if (nrow < rows && nb * block_size < seq_lens[nrow]) {
+                    const int64_t nid = block_table[nrow * table_width + nb];
+                    prefetch_span(key_cache + nid * block_stride + nkv * head_stride, block_size * head_dim * 2);
+                    prefetch_span(value_cache + nid * block_stride + nkv * head_stride, block_size * head_dim * 2);
+                }
+            }
+            for (int64_t t0 = 0; t0 < n; t0 += 4 * TILE) {
+                const int64_t tn = (n - t0 + TILE - 1) / TILE < 4 ? (n - t0 + TILE - 1) / TILE : 4;
+                for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                    const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+                    switch (gn * 4 + tn) {
+                    case 5: qk_tile(1, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 6: qk_tile(1, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 7: qk_tile(1, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 8: qk_tile(1, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 9: qk_tile(2, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 10: qk_tile(2, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 11: qk_tile(2, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 12: qk_tile(2, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 13: qk_tile(3, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 14: qk_tile(3, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 15: qk_tile(3, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 16: qk_tile(3, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 17: qk_tile(4, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 18: qk_tile(4, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    case 19: qk_tile(4, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    default: qk_tile(4, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = s[g];
+                float block_max = NEG_BIG;
+                for (int64_t t = 0; t < n; t++) block_max = sg[t] > block_max ? sg[t] : block_max;
+                const float m_new = block_max > m[g] ? block_max : m[g];
+                const float correction = expf(m[g] - m_new);
+                float sum = 0.0f;
+                for (int64_t t = 0; t < n; t++) {
+                    sg[t] = expf(sg[t] - m_new);
+                    sum += sg[t];
+                }
+                l[g] = l[g] * correction + sum;
+                m[g] = m_new;
+                if (correction != 1.0f) {
+                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= correction;
+                }
+            }
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+                for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+                    const int dv = (int)((head_dim - d0) / 16 < 4 ? (head_dim - d0) / 16 : 4);
+                    switch (gn * 4 + dv) {
+                    case 5: pv_tile(1, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
+                    case 6: pv_tile(1, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
+                    case 7: pv_tile(1, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
+                    case 8: pv_tile(1, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
+                    case 9: pv_tile(2, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
+                    case 10: pv_tile(2, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
+                    case 11: pv_tile(2, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
+                    case 12: pv_tile(2, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
+                    case 13: pv_tile(3, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
+                    case 14: pv_tile(3, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
+                    case 15: pv_tile(3, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
+                    case 16: pv_tile(3, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
+                    case 17: pv_tile(4, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
+                    case 18: pv_tile(4, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
+                    case 19: pv_tile(4, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
+                    default: pv_tile(4, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
+                    }
+                }
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            uint16_t *o = out + (row * num_heads + kv * group + g) * head_dim;
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
+        }
+    }
+#endif
+}
