@@ -8,7 +8,10 @@ the same KV budget, the same dtype and the whole machine: vLLM with VLLM_CPU_OMP
 over every core this process may use (docs/vllm-cpu.md), ttserve as `ttserve up`.
 
 Prints output tok/s, TTFT p50 and TPOT p50 of both and the ratios ttserve / vLLM (tok/s: higher
-is better for ttserve; TTFT, TPOT: lower is), each round's ratios as well as the medians,
+is better for ttserve; TTFT, TPOT: lower is), each round's ratios as well as the medians, the CPU
+time each process of a server spent per output token at each concurrency (on a machine of few
+cores, every process's time is time the model's threads wait for: a figure that, unlike tok/s,
+moves little with the machine's memory bandwidth),
 start-up seconds, and per-process RSS at ready and after the load. The KV cache is allocated
 zeroed (resident) by both; "non-KV" subtracts it. Each round also times the weight-read bound
 of one decode step on this machine (weight_bound.py: a bf16 GEMV over the model's own weight
@@ -88,6 +91,19 @@ class Server:
         for p in [leader, *leader.children(recursive=True)]:
             try:
                 out[f"{_label(p)} ({p.pid})"] = p.memory_info().rss / GIB
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far per process of the server."""
+        assert self.proc is not None
+        leader = psutil.Process(self.proc.pid)
+        out: dict[str, float] = {}
+        for p in [leader, *leader.children(recursive=True)]:
+            try:
+                times = p.cpu_times()
+                out[_label(p)] = out.get(_label(p), 0.0) + times.user + times.system
             except psutil.NoSuchProcess:
                 pass
         return out
@@ -206,11 +222,17 @@ def run_server(client: BenchClient, server: Server, model: Path, name: str, leve
         at_ready = server.rss()
         runs = {}
         for c in levels:
+            before = server.cpu_seconds()
             r = bench(client, server, model, name, c, prompts_per[c], output_len, result_dir)
+            after = server.cpu_seconds()
+            # Warmups included: what every process spent per token the server generated.
+            tokens = max(r["total_output_tokens"] * (prompts_per[c] + c) / prompts_per[c], 1)
+            cpu = {proc: round((after[proc] - before.get(proc, 0.0)) / tokens * 1e3, 2) for proc in after}
             runs[c] = {"output_tok_s": r["output_throughput"], "ttft_p50_ms": r["median_ttft_ms"],
-                       "tpot_p50_ms": r["median_tpot_ms"]}
+                       "tpot_p50_ms": r["median_tpot_ms"], "cpu_ms_per_token": cpu}
             print(f"  {server.name} c={c}: {runs[c]['output_tok_s']:.1f} tok/s, TTFT p50 "
-                  f"{runs[c]['ttft_p50_ms']:.0f} ms, TPOT p50 {runs[c]['tpot_p50_ms']:.1f} ms", flush=True)
+                  f"{runs[c]['ttft_p50_ms']:.0f} ms, TPOT p50 {runs[c]['tpot_p50_ms']:.1f} ms; CPU ms per output "
+                  f"token: {', '.join(f'{proc} {ms:g}' for proc, ms in cpu.items() if ms)}", flush=True)
         return {"startup_s": startup, "rss_ready_gib": at_ready, "rss_after_gib": server.rss(), "runs": runs}
     finally:
         server.stop()
