@@ -9,7 +9,10 @@ client with streamed completions of 128-token prompts (token ids: no chat templa
     minus the prefill, and the rest (HTTP, the gateway's frontend and its hop to the control plane);
   - tpot_ratio: the profile's decode step / client TPOT p50 (1.0: every step reaches the client
     at the device's pace), at c=1 and c=32 (c=32: its requests arrive together, so their TPOT
-    includes the prefill steps of the others that follow their first token).
+    includes the prefill steps of the others that follow their first token: a step is prefill or
+    decode, never both, on a TT device as in the TT plugin);
+  - itl_ratio: the profile's decode step / the median gap between consecutive tokens over every
+    stream (the decode steps' pace through the host path, the prefill steps aside).
 Twice: with the TT plugin's default of sampling on the host (every decode step waits for the
 round trip through the control plane: no async decode) and with tt.sample_on_device_mode
 decode_only, under which decode steps are pipelined.
@@ -35,21 +38,18 @@ PROFILE = "galaxy-llama-3.3-70b"
 PROMPT_LEN = 128
 
 
-def stream_one(client: openai.OpenAI, name: str, seed: int, max_tokens: int) -> tuple[float, float]:
-    """(TTFT, TPOT) seconds of one streamed completion."""
+def stream_one(client: openai.OpenAI, name: str, seed: int, max_tokens: int) -> tuple[float, float, list[float]]:
+    """(TTFT, TPOT, the gaps between consecutive tokens) in seconds of one streamed completion."""
     prompt = [1000 + (seed * 7 + i) % 30000 for i in range(PROMPT_LEN)]
     started = time.perf_counter()
-    first = last = None
-    count = 0
+    arrivals = []
     for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, stream=True,
                                            extra_body={"ignore_eos": True}):
         if chunk.choices and chunk.choices[0].text is not None:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            count += 1
-    assert first is not None and count > 1
-    return first - started, (last - first) / (count - 1)
+            arrivals.append(time.perf_counter())
+    assert len(arrivals) > 1
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return arrivals[0] - started, (arrivals[-1] - arrivals[0]) / len(gaps), gaps
 
 
 def control_ttft_mean(metrics_port: int, before: tuple[float, float]) -> tuple[float, tuple[float, float]]:
@@ -102,8 +102,10 @@ def measure(model, profile, extra: list[str], requests: int, max_tokens: int) ->
             control_ttft, counted = control_ttft_mean(metrics, counted)
             ttft = statistics.median(r[0] for r in runs)
             tpot = statistics.median(r[1] for r in runs)
+            itl = statistics.median(gap for r in runs for gap in r[2])
             level = {"ttft_p50_ms": round(ttft * 1e3, 2), "tpot_p50_ms": round(tpot * 1e3, 2),
-                     "tpot_ratio": round(profile.decode_step_s / tpot, 3)}
+                     "tpot_ratio": round(profile.decode_step_s / tpot, 3),
+                     "itl_p50_ms": round(itl * 1e3, 2), "itl_ratio": round(profile.decode_step_s / itl, 3)}
             if c == 1:
                 level.update({"ttft_overhead_ms": round(ttft * 1e3 - prefill_ms, 2),
                               "of_which_control_and_worker_ms": round(control_ttft * 1e3 - prefill_ms, 2),

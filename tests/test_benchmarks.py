@@ -38,10 +38,11 @@ EXPECTED = {
                        r'"random_speedup_ratio": [0-9.]+', r'"identical_tokens": true',
                        r'"acceptance_per_position": \[\s*[0-9.]'],
     "weight_bound.py": [r'"bound_ms": [0-9.]+', r'"gb_per_s": [0-9.]+'],
-    "sim_http.py": [r'"ttft_overhead_ms": -?[0-9.]+', r'"tpot_ratio": [0-9.]+'],
+    "sim_http.py": [r'"ttft_overhead_ms": -?[0-9.]+', r'"tpot_ratio": [0-9.]+', r'"itl_ratio": [0-9.]+'],
     "vs_vllm.py": [r"\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", r"\| 4 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|",
                    r"c=1 TPOT p50 / bound: vLLM [0-9.]+, ttserve [0-9.]+", r"round 1 ratios ttserve / vLLM",
-                   r"ratio start-up ttserve / vLLM: [0-9.]+", r"ttserve: start-up to serving [0-9.]+ s"],
+                   r"ratio start-up ttserve / vLLM: [0-9.]+", r"ttserve: start-up to serving [0-9.]+ s",
+                   r"CPU ms per output token: ttserve\.worker [0-9.]+"],
 }
 
 

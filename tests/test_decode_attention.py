@@ -145,13 +145,13 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
         assert torch.equal(alone[0], together[r])
 
 
-def _plan(query_lens: list[int], kv_split: bool = True, dtype: torch.dtype = BF16) -> cpu_kernels.Attention:
+def _plan(query_lens: list[int], kv_split: bool = True, dtype: torch.dtype = BF16, isa: str = "vec",
+          lens: list[int] | None = None) -> cpu_kernels.Attention:
     rows = len(query_lens)
     table = torch.arange(rows * 4).reshape(rows, 4)
-    lens = torch.full((rows,), 100)
     return cpu_kernels.Attention.plan(0, sum(query_lens), torch.zeros(sum(query_lens), dtype=torch.long),
-                                      torch.tensor(query_lens), lens, table, 9, 3, 64, 64, dtype,
-                                      cpu_kernels.isa(dtype, 64, 64), kv_split=kv_split)
+                                      torch.tensor(query_lens), torch.tensor(lens or [100] * rows), table,
+                                      9, 3, 64, 64, dtype, isa, kv_split=kv_split)
 
 
 def test_a_step_plans_the_kernel_for_decodes_that_fill_the_threads_and_vllms_otherwise():
@@ -160,11 +160,22 @@ def test_a_step_plans_the_kernel_for_decodes_that_fill_the_threads_and_vllms_oth
     threads = torch.get_num_threads()
     enough = -(-2 * threads // 3)  # rows whose (row, KV head) pairs give every thread two
     assert _plan([1] * enough).metadata is None                       # ours
+    assert _plan([1] * enough, isa="vec16").metadata is None
     if enough > 1:
         assert _plan([1] * (enough - 1)).metadata is not None         # vLLM's, which splits a row's keys
     assert _plan([1] * enough + [2]).metadata is not None             # a row of several queries
     assert _plan([1] * enough, kv_split=False).metadata is not None   # batch invariance: vLLM's always
-    assert _plan([1] * enough, dtype=torch.float16).metadata is not None
+    assert _plan([1] * enough, dtype=torch.float16, isa="vec").metadata is not None
+    # AMX packs the cache otherwise than the layout the kernel reads
+    assert _plan([1] * enough, isa="amx").metadata is not None
+    # a row that outweighs the rest: its 3 KV heads cannot keep every thread busy
+    rows = max(enough, 2)
+    assert _plan([1] * rows, lens=[250] + [1] * (rows - 1)).metadata is not None
+
+
+def test_a_block_table_too_narrow_for_its_rows_is_refused():
+    with pytest.raises(ValueError, match="a row of 300 tokens has a block table of 4 blocks of 64"):
+        _plan([1, 1, 1, 1], lens=[300, 5, 5, 5])
 
 
 def test_the_kernel_says_which_shapes_it_refuses():
@@ -193,10 +204,35 @@ def test_without_a_compiler_vllms_kernel_serves_and_the_reason_says_so(tmp_path)
 
 def test_a_compiler_that_fails_is_reported_with_its_error(tmp_path):
     cc = tmp_path / "cc"
-    cc.write_text("#!/bin/sh\necho 'cc: error: out of licences' >&2\nexit 1\n")
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exec echo 'cc 1.0'\necho 'cc: error: out of licences' >&2\nexit 1\n")
     cc.chmod(0o755)
     why = _why_in_subprocess({"CC": str(cc), "TTSERVE_KERNEL_CACHE": str(tmp_path / "kernels")})
     assert "could not build decode_attention.c" in why and "out of licences" in why
+
+
+def test_an_unwritable_cache_is_named_as_the_reason(tmp_path):
+    cache = tmp_path / "kernels"
+    cache.write_text("a file where the folder should be")
+    why = _why_in_subprocess({"TTSERVE_KERNEL_CACHE": str(cache)})
+    assert f"the kernel cache {cache} is not writable" in why
+
+
+def test_the_built_library_is_readable_by_every_user_and_does_not_change_float_modes(tmp_path):
+    """A shared cache serves several users; and the library, built with -ffast-math, must not
+    flush subnormals to zero in the worker that loads it (a -ffast-math link would)."""
+    if kernel_here():
+        pytest.skip(kernel_here())
+    probe = ("import torch\n"
+             "tiny = torch.tensor([1e-38], dtype=torch.float32)\n"
+             "from ttserve.worker.backends.torch.models import decode_attention\n"
+             "assert decode_attention.unavailable(torch.bfloat16, 9, 3, 64, 64) == ''\n"
+             "print((tiny * 1e-3).item() > 0)\n")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "TTSERVE_KERNEL_CACHE": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "True"  # a subnormal result survives the library's load
+    library, = tmp_path.glob("decode_attention-*.so")
+    assert library.stat().st_mode & 0o777 == 0o755
+    assert not list(tmp_path.glob(".build-*"))  # the build folder is gone
 
 
 def test_the_off_switch_leaves_every_step_to_vllms_kernel():
@@ -210,6 +246,8 @@ def test_smollm2_decodes_a_prompt_alike_on_either_kernel(smollm2):
     decides those, as between any two kernels)."""
     if kernel_here():
         pytest.skip(kernel_here())
+    if 8 * 3 < 2 * torch.get_num_threads():
+        pytest.skip("8 rows x 3 KV heads cannot keep this many threads busy: vLLM's kernel runs both")
     from transformers import AutoTokenizer
 
     config = json.loads((smollm2 / "config.json").read_text())
@@ -239,7 +277,20 @@ def test_smollm2_decodes_a_prompt_alike_on_either_kernel(smollm2):
             decode_attention._why = saved
         return torch.stack(out)
 
-    ours, theirs = run(True), run(False)
+    calls = []
+    kernel = decode_attention.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    cpu_kernels.decode_attention.decode_attention = counted  # the module cpu_kernels calls
+    try:
+        ours = run(True)
+        assert calls, "the kernel never ran: too many threads for 8 rows x 3 KV heads?"
+        theirs = run(False)
+    finally:
+        cpu_kernels.decode_attention.decode_attention = kernel
     # Calibration on the 2-core EPYC: vLLM's kernel with and without its KV split (and sliced
     # GEMMs: --batch-invariant) differ by 0.75 at most and 0.134 on average over these logits;
     # ours and vLLM's by 0.625 and 0.078.

@@ -182,6 +182,7 @@ def _probe(dtype: torch.dtype) -> str:
 # rounded up to ROW_BUCKETS (the extra rows are zeros whose products are dropped): a prompt of a
 # new length reuses a warm primitive, and the cache holds every bucket and decode count at once.
 _PRIMITIVE_CACHE = 64
+OWN_DECODE_ISAS = ("vec", "vec16")  # the cache layouts decode_attention.c reads
 DECODE_ROWS = 32      # up to here every row count is its own primitive (decode batches)
 ROW_STEP_SMALL, ROW_STEP = 32, 256  # then multiples of 32 up to 256, then of 256
 
@@ -274,12 +275,20 @@ class Attention:
         and every step runs vLLM's kernel.
 
         A decode step (one query a row) with at least two (row, KV head) pairs per thread runs
-        ttserve's decode kernel (decode_attention.py) where it is available; fewer pairs than
-        that leave a thread idle, which vLLM's KV split does not."""
+        ttserve's decode kernel (decode_attention.py) where it is available, on the cache layout of
+        vLLM's vec and vec16 kernels (not AMX's, which packs keys otherwise); fewer pairs than
+        that, or a longest row that outweighs the rest (its KV heads cannot keep every thread
+        busy), leave threads idle, which vLLM's KV split does not."""
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         seq_lens = seq_lens.to(torch.int32)
-        own = (kv_split and len(query_lens) * num_kv_heads >= 2 * torch.get_num_threads()
+        lengths = seq_lens.tolist()
+        if lengths and max(lengths) > block_table.shape[1] * block_size:
+            raise ValueError(f"a row of {max(lengths)} tokens has a block table of {block_table.shape[1]} "
+                             f"blocks of {block_size}")
+        threads = torch.get_num_threads()
+        own = (kv_split and kernel_isa in OWN_DECODE_ISAS and len(lengths) * num_kv_heads >= 2 * threads
+               and max(lengths) * min(threads, num_kv_heads) <= sum(lengths)
                and bool((query_lens == 1).all())
                and not decode_attention.unavailable(dtype, num_heads, num_kv_heads, head_dim, block_size))
         metadata = None if own else torch.ops._C.get_scheduler_metadata(

@@ -16,10 +16,13 @@
  * value views' base pointers and their block and head strides in elements.
  *
  * Softmax is the online (streaming) form in float32, per block; the output is rounded to
- * bfloat16 to nearest even. Built by decode_attention.py with -O3 -march=native -ffast-math
- * (vectorized expf from glibc's libmvec) and OpenMP from the libgomp torch has loaded.
+ * bfloat16 to nearest even. Compiled by decode_attention.py with -O3 -march=native -ffast-math
+ * (vectorized expf from glibc's libmvec) and linked without it (a -ffast-math link adds a
+ * constructor that flushes subnormals to zero in every thread of the process that loads it), with
+ * OpenMP from the libgomp torch has loaded.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -124,8 +127,13 @@ void ttserve_decode_attention(const uint16_t *q, int64_t q_row_stride, int64_t q
     const int64_t group = num_heads / kv_heads;
     const int64_t items = rows * kv_heads;
 
-#pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < items; item++) {
+#pragma omp parallel
+    {
+    /* Items dealt round-robin: a row's KV heads go to different threads, so rows of unequal
+     * length spread (cpu_kernels.Attention.plan leaves a step whose longest row outweighs the
+     * rest to vLLM's kernel, which splits a row's keys). */
+    const int64_t threads = omp_get_num_threads();
+    for (int64_t item = omp_get_thread_num(); item < items; item += threads) {
         const int64_t row = item / kv_heads, kv = item % kv_heads;
         const int64_t len = seq_lens[row];
         const int64_t blocks = (len + block_size - 1) / block_size;
@@ -146,10 +154,10 @@ void ttserve_decode_attention(const uint16_t *q, int64_t q_row_stride, int64_t q
             const uint16_t *v = value_cache + id * block_stride + kv * head_stride;
             const int64_t n = (b == blocks - 1) ? len - b * block_size : block_size;
             {
-                /* The block after this one in the thread's walk: the item's next, else the next
-                 * item's first (a static schedule gives each thread consecutive items). */
+                /* The block after this one in the thread's walk: the item's next, else its next
+                 * item's first. */
                 int64_t nrow = row, nkv = kv, nb = b + 1;
-                if (nb >= blocks) { nrow = (item + 1) / kv_heads; nkv = (item + 1) % kv_heads; nb = 0; }
+                if (nb >= blocks) { nrow = (item + threads) / kv_heads; nkv = (item + threads) % kv_heads; nb = 0; }
                 if (nrow < rows && nb * block_size < seq_lens[nrow]) {
                     const int64_t nid = block_table[nrow * table_width + nb];
                     prefetch_span(key_cache + nid * block_stride + nkv * head_stride, block_size * head_dim * 2);
@@ -227,6 +235,7 @@ void ttserve_decode_attention(const uint16_t *q, int64_t q_row_stride, int64_t q
             const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
             for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
         }
+    }
     }
 #endif
 }

@@ -14,10 +14,11 @@ twice the threads, vLLM's kernel runs instead, as it splits one long row's keys 
 The keys and values are vLLM's cache, written by vLLM's cpu_attn_reshape_and_cache; prefill and
 verify steps (several query tokens a row) stay on vLLM's kernel.
 
-Built once per source, compiler and CPU with the C compiler (CC, else cc) as
+Built once per source, compiler (and version) and CPU with the C compiler (CC, else cc) as
 `-O3 -march=native -ffast-math -fopenmp` into ~/.cache/ttserve/kernels (TTSERVE_KERNEL_CACHE
-overrides), and loaded with ctypes beside torch: its OpenMP calls bind to the libgomp torch has
-already loaded (one thread team). Without a compiler, an AVX-512 CPU or that one OpenMP runtime,
+overrides; the library is world-readable, so one cache can serve several users), and loaded with
+ctypes beside torch: its OpenMP calls bind to the libgomp torch has already loaded (one thread
+team). Without a compiler, a writable cache, an AVX-512 CPU or torch on that one OpenMP runtime,
 `unavailable()` says why and vLLM's kernel serves every step. TTSERVE_DECODE_ATTENTION=vllm turns
 it off (an A/B switch for benchmarks).
 """
@@ -29,6 +30,7 @@ import hashlib
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +41,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+# Compiled with -ffast-math, linked without: a -ffast-math link adds crtfastmath.o, whose
+# constructor sets the loading thread's MXCSR to flush subnormals to zero, changing torch's own
+# arithmetic in the worker from then on.
+COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
 OFF_SWITCH = "TTSERVE_DECODE_ATTENTION"
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]
@@ -68,29 +74,42 @@ def _compiler() -> list[str]:
     return shlex.split(os.environ.get("CC") or "cc")
 
 
+class CacheUnusable(OSError):
+    """The kernel cache folder cannot be created or written."""
+
+
 def _build() -> Path:
-    """The shared library for this source, compiler and CPU, built if it is not cached; raises
-    OSError or CalledProcessError when it cannot be."""
+    """The shared library for this source, compiler (and its version) and CPU, built if it is
+    not cached; raises OSError (CacheUnusable for the folder) or CalledProcessError when it
+    cannot be."""
     compiler = _compiler()
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((compiler, FLAGS)).encode() + _cpu_identity().encode())
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((compiler, version.stdout.splitlines()[:1], COMPILE_FLAGS,
+                                                    LINK_FLAGS)).encode() + _cpu_identity().encode())
     folder = _cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     library = folder / f"decode_attention-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / ".lock", "w")
+    except OSError as e:
+        raise CacheUnusable(f"the kernel cache {folder} is not writable ({e.strerror}); set TTSERVE_KERNEL_CACHE") from e
     # One build at a time per cache folder (workers of one host start together).
-    with open(folder / ".lock", "w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists():
             return library
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
+        work = Path(tempfile.mkdtemp(dir=folder, prefix=".build-"))
         try:
-            subprocess.run([*compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], check=True,
-                           capture_output=True, text=True, timeout=120)
+            objects, partial = work / "decode_attention.o", work / "decode_attention.so"
+            for argv in ([*compiler, *COMPILE_FLAGS, "-o", str(objects), str(SOURCE)],
+                         [*compiler, *LINK_FLAGS, "-o", str(partial), str(objects), "-lm"]):
+                subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
+            partial.chmod(0o755)  # readable by every user of a shared cache
             partial.replace(library)  # atomic: a reader sees no library or a whole one
         finally:
-            partial.unlink(missing_ok=True)
+            shutil.rmtree(work, ignore_errors=True)
     return library
 
 
@@ -116,10 +135,18 @@ def _load() -> str:
         _why = f"built for Linux only, not {sys.platform}"
         return _why
     torch_gomp = _gomp_libraries()  # torch's own, loaded with torch
+    if not torch_gomp:
+        # The kernel's OpenMP calls would load GNU OpenMP as a second runtime beside torch's
+        # (an Intel or LLVM OpenMP build): two thread teams spinning on the same cores.
+        _why = "torch here does not run on GNU OpenMP (libgomp), which the kernel is built for"
+        return _why
     try:
         library = ctypes.CDLL(str(_build()))
     except subprocess.CalledProcessError as e:
-        _why = f"{shlex.join(e.cmd[:1])} could not build {SOURCE.name}: {e.stderr.strip()[-400:]}"
+        _why = f"{shlex.join(e.cmd[:1])} could not build {SOURCE.name}: {(e.stderr or '').strip()[-400:]}"
+        return _why
+    except CacheUnusable as e:
+        _why = str(e)
         return _why
     except (OSError, subprocess.SubprocessError) as e:
         _why = f"no C compiler could build {SOURCE.name} ({type(e).__name__}: {e})"
@@ -128,7 +155,7 @@ def _load() -> str:
         _why = "this CPU has no AVX-512 (the kernel's only vector path)"
         return _why
     runtimes = _gomp_libraries()
-    if torch_gomp and runtimes != torch_gomp:
+    if runtimes != torch_gomp:
         _why = f"it would load a second OpenMP runtime beside torch's ({', '.join(sorted(runtimes - torch_gomp))})"
         return _why
     limits = [ctypes.c_int64() for _ in range(3)]
@@ -165,10 +192,16 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     block_table row: q [rows, heads, head_dim] (last dim contiguous), out contiguous, the caches
     vLLM CPU's [blocks, kv_heads, block_size, head_dim] views; block_table and seq_lens
     contiguous int32. unavailable() must have said "" for these shapes."""
-    assert _kernel is not None, "decode_attention.unavailable() first"
+    if _kernel is None:
+        raise RuntimeError("decode_attention.unavailable() must say \"\" first")
     rows, heads, head_dim = q.shape
-    assert q.stride(2) == 1 and out.is_contiguous() and block_table.is_contiguous() and seq_lens.is_contiguous()
-    assert block_table.dtype == seq_lens.dtype == torch.int32 and key_cache.stride() == value_cache.stride()
+    # What the C code trusts; each a few ns. (The table's width against the rows' lengths is
+    # cpu_kernels.Attention.plan's check, once a step.)
+    if not (q.stride(2) == 1 and out.is_contiguous() and out.shape == q.shape and block_table.is_contiguous()
+            and seq_lens.is_contiguous() and block_table.dtype == seq_lens.dtype == torch.int32
+            and block_table.shape[0] >= rows and seq_lens.shape[0] >= rows
+            and key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1):
+        raise ValueError("decode_attention: inputs of another layout than the kernel reads")
     _kernel(q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
             key_cache.stride(0), key_cache.stride(1), out.data_ptr(), block_table.data_ptr(),
             block_table.shape[1], seq_lens.data_ptr(), rows, heads, key_cache.shape[1], head_dim,
