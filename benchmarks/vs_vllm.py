@@ -35,6 +35,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 from control_stack import free_port
@@ -83,30 +84,26 @@ class Server:
                 time.sleep(0.2)
         raise RuntimeError(f"{self.name} did not serve within {timeout:.0f} s; see {self.log_path}")
 
-    def rss(self) -> dict[str, float]:
-        """GiB resident per process of the server (the leader and every descendant)."""
+    def _each_process(self, measure: Callable[[psutil.Process], float], by_pid: bool) -> dict[str, float]:
+        """`measure` of the leader and every descendant still alive, by label (and pid)."""
         assert self.proc is not None
         leader = psutil.Process(self.proc.pid)
         out: dict[str, float] = {}
         for p in [leader, *leader.children(recursive=True)]:
             try:
-                out[f"{_label(p)} ({p.pid})"] = p.memory_info().rss / GIB
+                key = f"{_label(p)} ({p.pid})" if by_pid else _label(p)
+                out[key] = out.get(key, 0.0) + measure(p)
             except psutil.NoSuchProcess:
                 pass
         return out
 
+    def rss(self) -> dict[str, float]:
+        """GiB resident per process of the server (the leader and every descendant)."""
+        return self._each_process(lambda p: p.memory_info().rss / GIB, by_pid=True)
+
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) so far per process of the server."""
-        assert self.proc is not None
-        leader = psutil.Process(self.proc.pid)
-        out: dict[str, float] = {}
-        for p in [leader, *leader.children(recursive=True)]:
-            try:
-                times = p.cpu_times()
-                out[_label(p)] = out.get(_label(p), 0.0) + times.user + times.system
-            except psutil.NoSuchProcess:
-                pass
-        return out
+        return self._each_process(lambda p: sum(p.cpu_times()[:2]), by_pid=False)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
