@@ -120,7 +120,9 @@ def _label(p: psutil.Process) -> str:
     cmd = p.cmdline()
     if "-m" in cmd and cmd.index("-m") + 1 < len(cmd):
         return cmd[cmd.index("-m") + 1]
-    return p.name() if len(cmd) < 2 else Path(cmd[1]).name + (" " + cmd[2] if len(cmd) > 2 else "")
+    label = "" if len(cmd) < 2 else (Path(cmd[1]).name + (" " + cmd[2] if len(cmd) > 2 else "")).strip()
+    # vLLM retitles its engine process (setproctitle: "VLLM::EngineCore", arguments blanked)
+    return label or p.name()
 
 
 def vllm_server(model: Path, name: str, dtype: str, eager: bool, kv_bytes: int,

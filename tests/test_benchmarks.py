@@ -38,6 +38,7 @@ EXPECTED = {
                        r'"random_speedup_ratio": [0-9.]+', r'"identical_tokens": true',
                        r'"acceptance_per_position": \[\s*[0-9.]'],
     "weight_bound.py": [r'"bound_ms": [0-9.]+', r'"gb_per_s": [0-9.]+'],
+    "decode_attention.py": [r'"kernel_ratio": [0-9.]+', r'"step_ratio": [0-9.]+'],
     "sim_http.py": [r'"ttft_overhead_ms": -?[0-9.]+', r'"tpot_ratio": [0-9.]+', r'"itl_ratio": [0-9.]+'],
     "vs_vllm.py": [r"\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", r"\| 4 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|",
                    r"c=1 TPOT p50 / bound: vLLM [0-9.]+, ttserve [0-9.]+", r"round 1 ratios ttserve / vLLM",
