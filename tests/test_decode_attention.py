@@ -201,7 +201,7 @@ def _why_in_subprocess(env: dict[str, str]) -> str:
 
 
 def test_without_a_compiler_vllms_kernel_serves_and_the_reason_says_so(tmp_path):
-    why = _why_in_subprocess({"CC": str(tmp_path / "no-such-cc"), "TTSERVE_KERNEL_CACHE": str(tmp_path / "kernels")})
+    why = _why_in_subprocess({"CC": str(tmp_path / "no-such-cc"), "TTSERVE_CACHE_DIR": str(tmp_path)})
     assert "no C compiler could build decode_attention.c" in why and "no-such-cc" in why
 
 
@@ -209,14 +209,14 @@ def test_a_compiler_that_fails_is_reported_with_its_error(tmp_path):
     cc = tmp_path / "cc"
     cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exec echo 'cc 1.0'\necho 'cc: error: out of licences' >&2\nexit 1\n")
     cc.chmod(0o755)
-    why = _why_in_subprocess({"CC": str(cc), "TTSERVE_KERNEL_CACHE": str(tmp_path / "kernels")})
+    why = _why_in_subprocess({"CC": str(cc), "TTSERVE_CACHE_DIR": str(tmp_path)})
     assert "could not build decode_attention.c" in why and "out of licences" in why
 
 
 def test_an_unwritable_cache_is_named_as_the_reason(tmp_path):
     cache = tmp_path / "kernels"
     cache.write_text("a file where the folder should be")
-    why = _why_in_subprocess({"TTSERVE_KERNEL_CACHE": str(cache)})
+    why = _why_in_subprocess({"TTSERVE_CACHE_DIR": str(tmp_path)})
     assert f"the kernel cache {cache} is not writable" in why
 
 
@@ -230,12 +230,12 @@ def test_the_built_library_is_readable_by_every_user_and_does_not_change_float_m
              "from ttserve.worker.backends.torch.models import decode_attention\n"
              "assert decode_attention.unavailable(torch.bfloat16, 9, 3, 64, 64) == ''\n"
              "print((tiny * 1e-3).item() > 0)\n")
-    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "TTSERVE_KERNEL_CACHE": str(tmp_path)},
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "TTSERVE_CACHE_DIR": str(tmp_path)},
                          capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "True"  # a subnormal result survives the library's load
-    library, = tmp_path.glob("decode_attention-*.so")
+    library, = (tmp_path / "kernels").glob("decode_attention-*.so")
     assert library.stat().st_mode & 0o777 == 0o755
-    assert not list(tmp_path.glob(".build-*"))  # the build folder is gone
+    assert not list((tmp_path / "kernels").glob(".build-*"))  # the build folder is gone
 
 
 def test_the_off_switch_leaves_every_step_to_vllms_kernel():

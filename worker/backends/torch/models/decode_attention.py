@@ -15,8 +15,8 @@ The keys and values are vLLM's cache, written by vLLM's cpu_attn_reshape_and_cac
 verify steps (several query tokens a row) stay on vLLM's kernel.
 
 Built once per source, compiler (and version) and CPU with the C compiler (CC, else cc) as
-`-O3 -march=native -ffast-math -fopenmp` into ~/.cache/ttserve/kernels (TTSERVE_KERNEL_CACHE
-overrides; the library is world-readable, so one cache can serve several users), and loaded with
+`-O3 -march=native -ffast-math -fopenmp` into kernels/ of ttserve's cache ($TTSERVE_CACHE_DIR,
+default ~/.cache/ttserve; the library is world-readable, so one cache can serve several users), and loaded with
 ctypes beside torch: its OpenMP calls bind to the libgomp torch has already loaded (one thread
 team). Without a compiler, a writable cache, an AVX-512 CPU or torch on that one OpenMP runtime,
 `unavailable()` says why and vLLM's kernel serves every step. TTSERVE_DECODE_ATTENTION=vllm turns
@@ -56,8 +56,9 @@ _why: str | None = None  # None: not tried; "": loaded; else why not
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TTSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "ttserve" / "kernels"
-    return Path(root)
+    from ....planning.model_prepare import cache_root  # the one owner of ttserve's cache layout
+
+    return cache_root() / "kernels"
 
 
 def _cpu_identity() -> str:
@@ -94,7 +95,7 @@ def _build() -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         lock = open(folder / ".lock", "w")
     except OSError as e:
-        raise CacheUnusable(f"the kernel cache {folder} is not writable ({e.strerror}); set TTSERVE_KERNEL_CACHE") from e
+        raise CacheUnusable(f"the kernel cache {folder} is not writable ({e.strerror}); set TTSERVE_CACHE_DIR") from e
     # One build at a time per cache folder (workers of one host start together).
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
