@@ -30,12 +30,6 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 64, 30
 BF16 = torch.bfloat16
 
 
-def use_ours(on: bool) -> None:
-    """Switch the planner between the kernels (the module's own verdict, as TTSERVE_DECODE_ATTENTION
-    sets it at start-up)."""
-    decode_attention._why = "" if on else "off for this benchmark"
-
-
 def kernel_figures(rows: int, context: int, repeats: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     per_row = -(-context // BLOCK)
@@ -53,12 +47,9 @@ def kernel_figures(rows: int, context: int, repeats: int) -> dict:
     k_new = torch.randn(rows, KV_HEADS, HEAD_DIM, generator=generator).to(BF16)
     out = torch.empty(rows, HEADS, HEAD_DIM, dtype=BF16)
     isa = cpu_kernels.isa(BF16, BLOCK, HEAD_DIM)
-    plans = {}
-    for name in ("vllm", "ttserve"):
-        use_ours(name == "ttserve")
-        plans[name] = cpu_kernels.Attention.plan(0, rows, slots, torch.ones(rows, dtype=torch.long), lens, table,
-                                                 HEADS, KV_HEADS, HEAD_DIM, BLOCK, BF16, isa)
-    use_ours(True)
+    plans = {name: cpu_kernels.Attention.plan(0, rows, slots, torch.ones(rows, dtype=torch.long), lens, table,
+                                              HEADS, KV_HEADS, HEAD_DIM, BLOCK, BF16, isa, own_decode=name == "ttserve")
+             for name in ("vllm", "ttserve")}
     assert plans["ttserve"].metadata is None and plans["vllm"].metadata is not None
 
     def step(plan: cpu_kernels.Attention) -> None:
@@ -83,18 +74,19 @@ def kernel_figures(rows: int, context: int, repeats: int) -> dict:
 def step_figures(model: TorchLlamaForCausalLM, rows: int, context: int, repeats: int) -> dict:
     per_row = -(-(context + 1) // BLOCK)
     kv = model.allocate_kv_cache((rows * per_row, KV_HEADS, BLOCK, HEAD_DIM), BF16, LAYERS)
+    assert model.own_decode_attention
     table = torch.arange(rows * per_row).reshape(rows, per_row)
     tokens = torch.randint(0, 49152, (rows, 1), generator=torch.Generator().manual_seed(0))
     positions = torch.full((rows,), context)
     times: dict[str, list[float]] = {"vllm": [], "ttserve": []}
     for _ in range(repeats):
         for name in times:
-            use_ours(name == "ttserve")
+            model.own_decode_attention = name == "ttserve"  # the model's verdict, set here per run
             model.decode_forward(tokens, positions, table, kv)
             started = time.perf_counter()
             model.decode_forward(tokens, positions, table, kv)
             times[name].append(time.perf_counter() - started)
-    use_ours(True)
+    model.own_decode_attention = True
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     return {"rows": rows, "context": context, "step_ms": {k: round(v, 2) for k, v in ms.items()},
             "step_ratio": round(ms["vllm"] / ms["ttserve"], 3)}
@@ -109,7 +101,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.rows, args.context, args.repeats = [8], [100], 3
-    why = decode_attention.unavailable(BF16, HEADS, KV_HEADS, HEAD_DIM, BLOCK)
+    why = decode_attention.unavailable(BF16, HEADS, KV_HEADS, HEAD_DIM, BLOCK, cpu_kernels.isa(BF16, BLOCK, HEAD_DIM))
     if why or cpu_kernels.unavailable(torch.device("cpu"), BF16, BLOCK, HEAD_DIM, None):
         print(json.dumps({"skipped": why or "vLLM CPU's kernels do not load here"}))
         return 0

@@ -54,13 +54,9 @@ def hide_broken_torch_extensions() -> list[str]:
     return hidden
 
 
-def hide_kernel_compilers() -> bool:
-    """Hide triton (module docstring) unless something here has imported it already; whether it
-    is hidden now."""
-    if "triton" in sys.modules:
-        return sys.modules["triton"] is None
-    sys.modules["triton"] = None  # type: ignore[assignment]  # absent to find_spec and import alike
-    return True
+def hide_kernel_compilers() -> None:
+    """Hide triton (module docstring) unless something here has imported it already."""
+    sys.modules.setdefault("triton", None)  # type: ignore[arg-type]  # absent to find_spec and import alike
 
 
 def set_environment_defaults() -> None:

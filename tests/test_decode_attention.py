@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.unavailable(torch.device("cpu"), BF1
 
 
 def kernel_here() -> str:
-    return decode_attention.unavailable(BF16, 9, 3, 64, 64)
+    return decode_attention.unavailable(BF16, 9, 3, 64, 64, "vec")
 
 
 def _isa(block: int) -> str:
@@ -92,14 +92,12 @@ def _reference(q, k_cache, v_cache, table, seq_lens) -> torch.Tensor:
 
 def _vllm(q, k_cache, v_cache, table, seq_lens) -> torch.Tensor:
     rows, heads, dim = q.shape
-    ones = torch.ones(rows, dtype=torch.long)
     query_start_loc = torch.arange(rows + 1, dtype=torch.int32)
     metadata = torch.ops._C.get_scheduler_metadata(rows, heads, k_cache.shape[1], dim, seq_lens, BF16,
                                                    query_start_loc, True, -1, _isa(k_cache.shape[2]), True, None, "auto")
     out = torch.empty(rows, heads, dim, dtype=BF16)
     torch.ops._C.cpu_attention_with_kv_cache(q, k_cache, v_cache, out, query_start_loc, seq_lens, 1 / math.sqrt(dim),
                                              True, None, -1, table, 0.0, metadata, None, None)
-    del ones
     return out
 
 
@@ -124,7 +122,7 @@ CASES = [  # rows, heads, kv heads, head_dim, block, context lengths
 def test_the_kernel_is_as_close_to_float64_as_vllms(rows, heads, kv_heads, dim, block, lens):
     if kernel_here():
         pytest.skip(f"ttserve's decode kernel is unavailable here: {kernel_here()}")
-    assert decode_attention.unavailable(BF16, heads, kv_heads, dim, block) == ""
+    assert decode_attention.unavailable(BF16, heads, kv_heads, dim, block, _isa(block)) == ""
     case = _case(rows, heads, kv_heads, dim, block, lens)
     reference = _reference(*case)
     ours = (_ours(*case).double() - reference).abs().max().item()
@@ -145,14 +143,14 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
         assert torch.equal(alone[0], together[r])
 
 
-def _plan(query_lens: list[int], kv_split: bool = True, dtype: torch.dtype = BF16, isa: str = "vec",
+def _plan(query_lens: list[int], kv_split: bool = True, own_decode: bool = True,
           lens: list[int] | None = None) -> cpu_kernels.Attention:
     rows, lens = len(query_lens), lens or [100] * len(query_lens)
     width = max(-(-max(lens) // 64), 4)
     table = torch.arange(rows * width).reshape(rows, width)
     return cpu_kernels.Attention.plan(0, sum(query_lens), torch.zeros(sum(query_lens), dtype=torch.long),
                                       torch.tensor(query_lens), torch.tensor(lens), table,
-                                      9, 3, 64, 64, dtype, isa, kv_split=kv_split)
+                                      9, 3, 64, 64, BF16, "vec", kv_split=kv_split, own_decode=own_decode)
 
 
 def test_a_step_plans_the_kernel_for_decodes_that_fill_the_threads_and_vllms_otherwise():
@@ -160,15 +158,12 @@ def test_a_step_plans_the_kernel_for_decodes_that_fill_the_threads_and_vllms_oth
         pytest.skip(kernel_here())
     threads = torch.get_num_threads()
     enough = -(-2 * threads // 3)  # rows whose (row, KV head) pairs give every thread two
-    assert _plan([1] * enough).metadata is None                       # ours
-    assert _plan([1] * enough, isa="vec16").metadata is None
+    assert _plan([1] * enough).metadata is None                          # ours
+    assert _plan([1] * enough, own_decode=False).metadata is not None    # the model said no
     if enough > 1:
-        assert _plan([1] * (enough - 1)).metadata is not None         # vLLM's, which splits a row's keys
-    assert _plan([1] * enough + [2]).metadata is not None             # a row of several queries
-    assert _plan([1] * enough, kv_split=False).metadata is not None   # batch invariance: vLLM's always
-    assert _plan([1] * enough, dtype=torch.float16, isa="vec").metadata is not None
-    # AMX packs the cache otherwise than the layout the kernel reads
-    assert _plan([1] * enough, isa="amx").metadata is not None
+        assert _plan([1] * (enough - 1)).metadata is not None            # vLLM's, which splits a row's keys
+    assert _plan([1] * enough + [2]).metadata is not None                # a row of several queries
+    assert _plan([1] * enough, kv_split=False).metadata is not None      # batch invariance: vLLM's always
     if threads > 1:  # a row that outweighs the rest: its 3 KV heads cannot keep every thread busy
         rows = max(enough, 2)
         assert _plan([1] * rows, lens=[64 * rows] + [1] * (rows - 1)).metadata is not None
@@ -184,17 +179,19 @@ def test_a_block_table_too_narrow_for_its_rows_is_refused():
 def test_the_kernel_says_which_shapes_it_refuses():
     if kernel_here():
         pytest.skip(kernel_here())
-    assert "bfloat16 only" in decode_attention.unavailable(torch.float16, 9, 3, 64, 64)
-    assert "at most 16 per KV head" in decode_attention.unavailable(BF16, 34, 2, 64, 64)
-    assert "head_dim 72" in decode_attention.unavailable(BF16, 8, 2, 72, 64)
-    assert "head_dim 512" in decode_attention.unavailable(BF16, 8, 2, 512, 64)
-    assert "block size 512" in decode_attention.unavailable(BF16, 8, 2, 64, 512)
+    assert "bfloat16 only" in decode_attention.unavailable(torch.float16, 9, 3, 64, 64, "vec")
+    # AMX packs the cache otherwise than the layout the kernel reads
+    assert "not amx's" in decode_attention.unavailable(BF16, 9, 3, 64, 64, "amx")
+    assert "at most 16 per KV head" in decode_attention.unavailable(BF16, 34, 2, 64, 64, "vec")
+    assert "head_dim 72" in decode_attention.unavailable(BF16, 8, 2, 72, 64, "vec")
+    assert "head_dim 512" in decode_attention.unavailable(BF16, 8, 2, 512, 64, "vec")
+    assert "block size 512" in decode_attention.unavailable(BF16, 8, 2, 64, 512, "vec")
 
 
 def _why_in_subprocess(env: dict[str, str]) -> str:
     probe = ("import torch\n"
              "from ttserve.worker.backends.torch.models import decode_attention\n"
-             "print(decode_attention.unavailable(torch.bfloat16, 9, 3, 64, 64))\n")
+             "print(decode_attention.unavailable(torch.bfloat16, 9, 3, 64, 64, 'vec'))\n")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True,
                          timeout=120, check=True)
     return out.stdout.strip()
@@ -228,7 +225,7 @@ def test_the_built_library_is_readable_by_every_user_and_does_not_change_float_m
     probe = ("import torch\n"
              "tiny = torch.tensor([1e-38], dtype=torch.float32)\n"
              "from ttserve.worker.backends.torch.models import decode_attention\n"
-             "assert decode_attention.unavailable(torch.bfloat16, 9, 3, 64, 64) == ''\n"
+             "assert decode_attention.unavailable(torch.bfloat16, 9, 3, 64, 64, 'vec') == ''\n"
              "print((tiny * 1e-3).item() > 0)\n")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "TTSERVE_CACHE_DIR": str(tmp_path)},
                          capture_output=True, text=True, timeout=120, check=True)
@@ -262,6 +259,7 @@ def test_smollm2_decodes_a_prompt_alike_on_either_kernel(smollm2):
 
     def run(own: bool) -> torch.Tensor:
         kv = model.allocate_kv_cache((rows * 8, 3, block, 64), BF16, config["num_hidden_layers"])
+        assert model.own_decode_attention  # the model's own verdict here
         table = torch.arange(rows * 8).reshape(rows, 8)
         # rows at different depths: row r has r tokens of the continuation in its prompt
         lens = [len(prompt) + r for r in range(rows)]
@@ -269,15 +267,12 @@ def test_smollm2_decodes_a_prompt_alike_on_either_kernel(smollm2):
         for r in range(rows):
             tokens[r, :lens[r]] = torch.cat([torch.tensor(prompt), continuation[:r]])
         model.prefill_forward(tokens, table, kv, prompt_lens=lens)
-        saved, decode_attention._why = decode_attention._why, ("" if own else "off for this test")
-        try:
-            out = []
-            for step in range(steps - rows):
-                fed = continuation[torch.arange(rows) + step]
-                logits = model.decode_forward(fed[:, None], torch.tensor(lens) + step, table, kv)
-                out.append(logits.reshape(rows, -1))
-        finally:
-            decode_attention._why = saved
+        model.own_decode_attention = own
+        out = []
+        for step in range(steps - rows):
+            fed = continuation[torch.arange(rows) + step]
+            logits = model.decode_forward(fed[:, None], torch.tensor(lens) + step, table, kv)
+            out.append(logits.reshape(rows, -1))
         return torch.stack(out)
 
     calls = []

@@ -182,7 +182,6 @@ def _probe(dtype: torch.dtype) -> str:
 # rounded up to ROW_BUCKETS (the extra rows are zeros whose products are dropped): a prompt of a
 # new length reuses a warm primitive, and the cache holds every bucket and decode count at once.
 _PRIMITIVE_CACHE = 64
-OWN_DECODE_ISAS = ("vec", "vec16")  # the cache layouts decode_attention.c reads
 DECODE_ROWS = 32      # up to here every row count is its own primitive (decode batches)
 ROW_STEP_SMALL, ROW_STEP = 32, 256  # then multiples of 32 up to 256, then of 256
 
@@ -267,18 +266,18 @@ class Attention:
     def plan(cls, start: int, stop: int, slots: torch.Tensor, query_lens: torch.Tensor,
              seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, num_kv_heads: int,
              head_dim: int, block_size: int, dtype: torch.dtype, kernel_isa: str,
-             kv_split: bool = True) -> Attention:
+             kv_split: bool = True, own_decode: bool = False) -> Attention:
         """kv_split: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1), which keeps both cores busy on a
         single long row by splitting its keys over threads and merging their partial softmaxes.
         How a row is split depends on the other rows of the step, so its bits do too; off (batch
         invariance), each query row is one thread's, summed in key order, whatever shares the step,
         and every step runs vLLM's kernel.
 
-        A decode step (one query a row) with at least two (row, KV head) pairs per thread runs
-        ttserve's decode kernel (decode_attention.py) where it is available, on the cache layout of
-        vLLM's vec and vec16 kernels (not AMX's, which packs keys otherwise); fewer pairs than
-        that, or a longest row that outweighs the rest (its KV heads cannot keep every thread
-        busy), leave threads idle, which vLLM's KV split does not."""
+        own_decode: the model's decision, once, that ttserve's decode kernel serves its cache
+        (decode_attention.unavailable said ""). Then a decode step (one query a row) with at
+        least two (row, KV head) pairs per thread runs it; fewer pairs than that, or a longest row
+        that outweighs the rest (its KV heads cannot keep every thread busy), leave threads idle,
+        which vLLM's KV split does not."""
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         seq_lens = seq_lens.to(torch.int32)
@@ -287,10 +286,9 @@ class Attention:
             raise ValueError(f"a row of {max(lengths)} tokens has a block table of {block_table.shape[1]} "
                              f"blocks of {block_size}")
         threads = torch.get_num_threads()
-        own = (kv_split and kernel_isa in OWN_DECODE_ISAS and len(lengths) * num_kv_heads >= 2 * threads
+        own = (own_decode and kv_split and len(lengths) * num_kv_heads >= 2 * threads
                and max(lengths) * min(threads, num_kv_heads) <= sum(lengths)
-               and bool((query_lens == 1).all())
-               and not decode_attention.unavailable(dtype, num_heads, num_kv_heads, head_dim, block_size))
+               and bool((query_lens == 1).all()))
         metadata = None if own else torch.ops._C.get_scheduler_metadata(
             len(query_lens), num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc,
             True, -1, kernel_isa, kv_split, None, "auto")

@@ -3,24 +3,23 @@ host that runs it.
 
 Why: at 8 rows and more, a decode step's attention reads every row's whole context from a cache
 that the layer's weights have just evicted, and vLLM CPU's kernel reads that cold cache at ~5 GB/s
-per thread (one block after another), a third of what the memory system serves. SmolLM2 on the
-2-core EPYC, 30 layers, interleaved medians per layer: 32 rows x 200 tokens 404-448 -> 297-332 us;
-32 x 1000 1890 -> 1501; 8 x 200 121 -> 94; Llama-8B heads (32/8, head_dim 128) 8 x 500
-1246 -> 1169; 1 row x 300 even (16 us). Attention was 38% of a 32-row SmolLM2 step.
+per thread (one block after another), a third of what the memory system serves. On the 2-core
+EPYC, SmolLM2's heads, 30 layers: 32 rows x 200 tokens 476 -> 280 us a layer, 32 x 1000
+1719 -> 1041, 8 x 200 86 -> 52 (benchmarks/decode_attention.py). Attention was 38% of a 32-row
+SmolLM2 step.
 
-When: decode steps (one query token per row) on the vLLM CPU kernels' path in bfloat16, unless
-batch invariance is asked (cpu_kernels.Attention.plan): with fewer (row, KV head) pairs than
-twice the threads, vLLM's kernel runs instead, as it splits one long row's keys over threads.
-The keys and values are vLLM's cache, written by vLLM's cpu_attn_reshape_and_cache; prefill and
-verify steps (several query tokens a row) stay on vLLM's kernel.
+Where: the model decides once, at allocate_kv_cache, whether its decode steps may use it
+(`unavailable()`: this host, the dtype, the shapes, the cache layout); cpu_kernels.Attention.plan
+decides per step whether a step fills the threads (its docstring). The keys and values are vLLM's
+cache, written by vLLM's cpu_attn_reshape_and_cache.
 
 Built once per source, compiler (and version) and CPU with the C compiler (CC, else cc) as
 `-O3 -march=native -ffast-math -fopenmp` into kernels/ of ttserve's cache ($TTSERVE_CACHE_DIR,
-default ~/.cache/ttserve; the library is world-readable, so one cache can serve several users), and loaded with
-ctypes beside torch: its OpenMP calls bind to the libgomp torch has already loaded (one thread
-team). Without a compiler, a writable cache, an AVX-512 CPU or torch on that one OpenMP runtime,
-`unavailable()` says why and vLLM's kernel serves every step. TTSERVE_DECODE_ATTENTION=vllm turns
-it off (an A/B switch for benchmarks).
+default ~/.cache/ttserve; the library is world-readable, so one cache can serve several users), and
+loaded with ctypes beside torch: its OpenMP calls bind to the libgomp torch has already loaded (one
+thread team). Without a compiler, a writable cache, an AVX-512 CPU or torch on that one OpenMP
+runtime, `unavailable()` says why and vLLM's kernel serves every step. TTSERVE_DECODE_ATTENTION=vllm
+turns it off (an A/B switch for benchmarks).
 """
 from __future__ import annotations
 
@@ -47,6 +46,7 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
 OFF_SWITCH = "TTSERVE_DECODE_ATTENTION"
+LAYOUTS = ("vec", "vec16")  # vLLM's kernel ISAs whose cache layout the C code reads (not AMX's packing)
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]
 
@@ -170,10 +170,14 @@ def _load() -> str:
     return _why
 
 
-def unavailable(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str:
-    """Why the kernel cannot run this attention here; "" when it can."""
+def unavailable(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                kernel_isa: str) -> str:
+    """Why the kernel cannot run this attention, on a cache vLLM's `kernel_isa` kernel lays out,
+    here; "" when it can."""
     if dtype != torch.bfloat16:
         return f"it computes bfloat16 only, not {dtype}"
+    if kernel_isa not in LAYOUTS:
+        return f"it reads the cache layout of vLLM's {'/'.join(LAYOUTS)} kernels, not {kernel_isa}'s"
     why = _load()
     if why:
         return why
@@ -196,8 +200,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if _kernel is None:
         raise RuntimeError("decode_attention.unavailable() must say \"\" first")
     rows, heads, head_dim = q.shape
-    # What the C code trusts; each a few ns. (The table's width against the rows' lengths is
-    # cpu_kernels.Attention.plan's check, once a step.)
+    # What the C code trusts, about a microsecond a call. (The table's width against the rows'
+    # lengths is cpu_kernels.Attention.plan's check, once a step.)
     if not (q.stride(2) == 1 and out.is_contiguous() and out.shape == q.shape and block_table.is_contiguous()
             and seq_lens.is_contiguous() and block_table.dtype == seq_lens.dtype == torch.int32
             and block_table.shape[0] >= rows and seq_lens.shape[0] >= rows

@@ -304,6 +304,7 @@ class TorchLlamaForCausalLM:
         self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device, dtype)
         self._decode_graph: DecodeGraph | None = None
         self.kernel_isa = ""  # set by allocate_kv_cache when the CPU kernels serve this model
+        self.own_decode_attention = False  # and whether decode steps may run ttserve's kernel there
 
     @classmethod
     def initialize_vllm_model(cls, hf_config: Any, mesh_device: torch.device, max_batch_size: int,
@@ -404,12 +405,14 @@ class TorchLlamaForCausalLM:
         if not why:
             self.kernel_isa = cpu_kernels.isa(dtype, block_size, head_dim)
             log.info("attention, norms and RoPE run vLLM CPU's kernels (%s)", self.kernel_isa)
-            if not self.batch_invariant:
-                own = decode_attention.unavailable(dtype, self.shape.num_heads, kv_heads, head_dim, block_size)
-                log.info("decode attention at 2+ (row, KV head) pairs per thread: %s",
-                         f"vLLM's kernel ({own})" if own else "ttserve's kernel (decode_attention.c)")
+            # Batch invariance keeps every step on vLLM's kernel (cpu_kernels.Attention.plan).
+            why_not = ("batch invariance" if self.batch_invariant else decode_attention.unavailable(
+                dtype, self.shape.num_heads, kv_heads, head_dim, block_size, self.kernel_isa))
+            self.own_decode_attention = not why_not
+            log.info("decode attention at 2+ (row, KV head) pairs per thread: %s",
+                     f"vLLM's kernel ({why_not})" if why_not else "ttserve's kernel (decode_attention.c)")
             return cpu_kernels.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim, dtype)
-        self.kernel_isa = ""
+        self.kernel_isa, self.own_decode_attention = "", False
         if self.device.type == "cpu" and dtype != torch.float32:
             log.info("attention, norms and RoPE run plain torch: %s", why)
         return paged_kv.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim,
@@ -442,7 +445,7 @@ class TorchLlamaForCausalLM:
         if self.batch_invariant:
             raise BatchInvarianceError("batch invariance needs vLLM CPU's attention kernel, which takes no "
                                        "per-layer KV buffers (hybrid KV cache groups)")
-        self.kernel_isa = ""
+        self.kernel_isa, self.own_decode_attention = "", False
         if self.device.type == "cpu" and dtype != torch.float32:
             log.info("attention, norms and RoPE run plain torch: per-layer KV buffers are paged_kv.py's")
         return paged_kv.allocate(self.lanes, len(specs), blocks + 1, kv_heads, block_size, head_dim, dtype,
@@ -754,7 +757,8 @@ class TorchLlamaForCausalLM:
             slots = pt[row_of[lo:hi], pos // block_size] * block_size + pos % block_size
             lanes.append((lane, cpu_kernels.Attention.plan(
                 lo, hi, slots, lens[rows], end[rows], table, s.num_heads, s.num_kv_heads, s.head_dim,
-                block_size, self.dtype, self.kernel_isa, kv_split=not self.batch_invariant)))
+                block_size, self.dtype, self.kernel_isa, kv_split=not self.batch_invariant,
+                own_decode=self.own_decode_attention)))
         return _Packed(chunk_tokens[row_of, within], positions, last, lanes)
 
     def _forward_packed(self, step: _Packed, kv_cache: KVCache) -> torch.Tensor:
