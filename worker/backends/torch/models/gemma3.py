@@ -27,7 +27,7 @@ The fast paths of llama.py, for this model:
 * vLLM CPU's kernels and the packed prefill (16 bits on a CPU): off (`allows_cpu_kernels`): they
   compute Llama's norms and one RoPE base, without Gemma's sandwich norms, embedding scale or
   window. Every dtype runs the plain torch forward on the paged cache.
-* Linear layers keep linear.py's GEMM choice (oneDNN, packed or F.linear): GEMMs only; the MLP is
+* Linear layers keep linear.py's GEMM choice (ttserve's, oneDNN, packed or F.linear); the MLP is
   SwiGLU's loaded projections with gelu_tanh in place of silu.
 * Attention is llama.py's (SDPA over the paged cache, the per-layer window mask): the q/k norms
   and the query_pre_attn_scalar scale ride in the q/k/v projection (_NormedQKV).
@@ -168,8 +168,7 @@ class _NormedQKV:
 
 
 class _GeluTanhGLU:
-    """Gemma's MLP, down(gelu_tanh(gate(x)) * up(x)), on the projections linear.SwiGLU loaded
-    (one stacked gate/up GEMM on the plain path, two GEMMs on the 16-bit CPU paths)."""
+    """Gemma's MLP, down(gelu_tanh(gate(x)) * up(x)), on the projections linear.SwiGLU loaded."""
 
     __slots__ = ("glu",)
 
@@ -177,9 +176,7 @@ class _GeluTanhGLU:
         self.glu = glu
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.glu
-        gate, up = g.gate_up(x).chunk(2, dim=-1) if g.kind == "plain" else (g.gate(x), g.up(x))
-        return g.down(F.gelu(gate, approximate="tanh") * up)
+        return self.glu.down(self.glu.gated(x, "gelu_tanh"))
 
 
 @dataclass(slots=True)

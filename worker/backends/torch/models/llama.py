@@ -380,13 +380,13 @@ class TorchLlamaForCausalLM:
         layer = self.layers[0]
         gemms = [("lm_head", self.lm_head, self.shape.hidden_size), ("qkv", layer.qkv, self.shape.hidden_size),
                  ("o_proj", layer.o, self.shape.num_heads * self.shape.head_dim),
-                 ("gate_proj", layer.mlp.gate, self.shape.hidden_size),
+                 ("gate_proj", layer.mlp.gate or layer.mlp.gate_up, self.shape.hidden_size),
                  ("down_proj", layer.mlp.down, self.shape.intermediate_size)]
         for name, gemm, width in gemms:
             if not rows_invariant(gemm, width, self.dtype):
                 raise BatchInvarianceError(
                     f"batch invariance: {name} ({gemm.out_features} x {width}, {self.dtype}) gives rows "
-                    "other bits in a batch than alone on this host's oneDNN; serve without --batch-invariant")
+                    "other bits in a batch than alone on this host's GEMMs; serve without --batch-invariant")
 
     # --- contract: cache ---------------------------------------------------------------------
 

@@ -1,0 +1,152 @@
+/* y = x W^T (+ b) in bfloat16 on a CPU with AVX512-BF16, from a weight packed once at load.
+ *
+ * Packed layout (bf16_gemm.py packs it): the [n, k] weight, padded with zeros to whole tiles of
+ * 32 outputs and an even k, as [n / 32][k / 2][32][2]: per tile, per pair of inputs, the 32
+ * outputs' two weights side by side. That is the operand order of VDPBF16PS, so one 64-byte load
+ * is 16 outputs' products for two inputs and the accumulators hold outputs, never partial dot
+ * products (no horizontal sums); and a tile is one contiguous stream, 128 bytes per input pair,
+ * which the hardware prefetcher follows. A decode step reads every weight once: with a few rows
+ * the GEMM is bound by that read, and this layout keeps it there (bf16_gemm.py has the figures).
+ *
+ * Work: each thread takes a contiguous range of tiles and runs every row through each tile,
+ * up to ROWS rows at a time in registers (2 accumulators per row, the weight loaded once for
+ * them). A row's outputs are summed in one order, input pair after input pair, whatever the
+ * number of rows: a row's bits never depend on the other rows of the GEMM (batch invariant).
+ * Accumulation is float32 (VDPBF16PS: products of bfloat16 pairs added to float32, subnormal
+ * inputs and results as zero), the bias is added in float32, and the result is rounded to
+ * bfloat16 to nearest even, once.
+ *
+ * Epilogues: PLAIN stores the n outputs. GLU_* (a gated MLP's gate and up projections in one
+ * GEMM) read a weight whose tiles are 16 gate outputs then the same 16 up outputs, and store
+ * act(gate) * up in float32 rounded once, n / 2 outputs, act silu or gelu with tanh: the
+ * [rows, intermediate] activations are written once.
+ *
+ * Compiled by bf16_gemm.py (native_build.py) with -O3 -march=native -ffast-math -fopenmp, linked
+ * without -ffast-math; OpenMP from the libgomp torch has loaded.
+ */
+#include <omp.h>
+#include <stdint.h>
+
+#define TILE_N 32
+#define ROWS 12 /* rows per register pass: 24 accumulators, 2 weight vectors, a broadcast */
+
+enum { PLAIN = 0, GLU_SILU = 1, GLU_GELU_TANH = 2 };
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* e^x, float32, ~1e-7 relative: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the degree-6
+ * Taylor polynomial. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bias16(const uint16_t *bias, int64_t at, int64_t n) {
+    if (!bias || at >= n)
+        return _mm512_setzero_ps();
+    const __mmask16 valid = n - at >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - at)) - 1);
+    const __m256i h = _mm256_maskz_loadu_epi16(valid, bias + at);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* MR (a literal at every call: the loops unroll, the accumulators stay in registers) rows of x
+ * through one tile. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const int MR, const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+    uint16_t *y, int64_t y_stride, int64_t tile, int64_t n, int64_t k, int epilogue) {
+    __m512 a0[ROWS], a1[ROWS];
+    for (int m = 0; m < MR; m++) {
+        a0[m] = _mm512_setzero_ps();
+        a1[m] = _mm512_setzero_ps();
+    }
+    const int64_t pairs = k / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * 2 * TILE_N);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * 2 * TILE_N + TILE_N);
+        for (int m = 0; m < MR; m++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + m * x_stride + 2 * p));
+            a0[m] = _mm512_dpbf16_ps(a0[m], w0, b);
+            a1[m] = _mm512_dpbf16_ps(a1[m], w1, b);
+        }
+    }
+    if (epilogue != PLAIN) {
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (int m = 0; m < MR; m++) {
+            const __m512 g = a0[m];
+            __m512 act;
+            if (epilogue == GLU_SILU) { /* g / (1 + e^-g) */
+                act = _mm512_div_ps(g, _mm512_add_ps(one, exp512(-g)));
+            } else { /* g/2 (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3); 1 + tanh(z) = 2 - 2 / (e^2z + 1) */
+                const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                               _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g),
+                                                               _mm512_mul_ps(g, g), g));
+                const __m512 e = exp512(_mm512_add_ps(z, z));
+                act = _mm512_mul_ps(g, _mm512_sub_ps(one, _mm512_div_ps(one, _mm512_add_ps(e, one))));
+            }
+            const __m512 h = _mm512_mul_ps(act, a1[m]);
+            _mm256_storeu_si256((__m256i *)(y + m * y_stride + tile * (TILE_N / 2)), (__m256i)_mm512_cvtneps_pbh(h));
+        }
+        return;
+    }
+    const int64_t at = tile * TILE_N;
+    const __m512 b0 = load_bias16(bias, at, n), b1 = load_bias16(bias, at + 16, n);
+    const __mmask32 valid = n - at >= TILE_N ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (n - at)) - 1);
+    for (int m = 0; m < MR; m++) {
+        const __m512i out = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(a1[m], b1), _mm512_add_ps(a0[m], b0));
+        _mm512_mask_storeu_epi16(y + m * y_stride + at, valid, out);
+    }
+}
+
+static void tile_all_rows(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                          uint16_t *y, int64_t y_stride, int64_t rows, int64_t tile, int64_t n, int64_t k,
+                          int epilogue) {
+    for (int64_t r = 0; r < rows; r += ROWS) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *yr = y + r * y_stride;
+        switch (rows - r < ROWS ? rows - r : ROWS) {
+#define CASE(MR) case MR: tile_rows(MR, xr, x_stride, w, bias, yr, y_stride, tile, n, k, epilogue); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#undef CASE
+        }
+    }
+}
+#endif
+
+/* 512 when this build has the AVX512-BF16 path, else 0 (bf16_gemm.py then refuses). */
+int ttserve_bf16_gemm_vector_bits(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 512;
+#else
+    return 0;
+#endif
+}
+
+int64_t ttserve_bf16_gemm_tile(void) { return TILE_N; }
+
+/* x [rows][k] (row stride x_stride elements, k even), packed [ceil(n / 32)][k / 2][32][2], bias
+ * [n] or NULL (PLAIN only), y [rows][n] (GLU_*: n / 2, n a multiple of 32) at row stride y_stride. */
+void ttserve_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                       uint16_t *y, int64_t y_stride, int64_t rows, int64_t n, int64_t k, int epilogue) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const int64_t tiles = (n + TILE_N - 1) / TILE_N;
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t lo = tiles * t / threads, hi = tiles * (t + 1) / threads;
+        for (int64_t tile = lo; tile < hi; tile++)
+            tile_all_rows(x, x_stride, packed + tile * k * TILE_N, bias, y, y_stride, rows, tile, n, k, epilogue);
+    }
+#endif
+}
