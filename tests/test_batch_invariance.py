@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ttserve.worker import config as worker_config
-from ttserve.worker.backends.torch.models import TorchLlamaForCausalLM, cpu_kernels
+from ttserve.worker.backends.torch.models import TorchLlamaForCausalLM, bf16_gemm, cpu_kernels
 from ttserve.worker.backends.torch.models.linear import SPLIT_K, BatchInvarianceError, Linear, rows_invariant
 from ttserve.worker.planning.preflight import plan_worker
 
@@ -29,11 +29,17 @@ def plan(*argv: str):
 
 @pytest.mark.parametrize("width", [576, SPLIT_K + 64, 1536, 4096])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_a_batch_invariant_linear_gives_each_row_its_bits_alone_at_any_row_count(width, bias):
+@pytest.mark.parametrize("gemm", ["onednn", "ttserve"])
+def test_a_batch_invariant_linear_gives_each_row_its_bits_alone_at_any_row_count(width, bias, gemm, monkeypatch):
+    """On oneDNN (sliced reductions) and on ttserve's GEMM (one order per row as it is)."""
+    if gemm == "ttserve" and bf16_gemm.kernel_unavailable():
+        pytest.skip(bf16_gemm.kernel_unavailable())
+    monkeypatch.setenv("TTSERVE_GEMM", gemm)
     g = torch.Generator().manual_seed(width)
     w = (torch.randn(192, width, generator=g) * 0.05).to(BF16)
     b = torch.randn(192, generator=g).to(BF16) if bias else None
     linear = Linear(w, b, batch_invariant=True)
+    assert linear.kind == gemm
     x = torch.randn(300, width, generator=g).to(BF16)
     alone = torch.cat([linear(x[r:r + 1]) for r in range(x.shape[0])])
     for rows in (2, 5, 16, 17, 40, 300):

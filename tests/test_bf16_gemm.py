@@ -53,18 +53,44 @@ def test_leading_dimensions_and_an_empty_batch_keep_their_shape():
     assert gemm(torch.empty(0, 32, dtype=BF16)).shape == (0, 64)
 
 
+_ACT = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("rows", [1, 7, 30])
-def test_the_gated_epilogue_is_as_close_to_float64_as_torchs_three_ops(activation, rows):
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (7, 1536), (30, 1536), (5, 48)])
+def test_the_gated_epilogue_is_as_close_to_float64_as_torchs_three_ops(activation, rows, inter):
+    """48: a width of whole half tiles that is not whole tiles."""
     g = torch.Generator().manual_seed(rows)
-    gate, up = (torch.randn(1536, 576, generator=g).div(8).to(BF16) for _ in range(2))
+    gate, up = (torch.randn(inter, 576, generator=g).div(8).to(BF16) for _ in range(2))
     x = torch.randn(rows, 576, generator=g).to(BF16)
-    act = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation]
+    act = _ACT[activation]
     exact = act(x.double() @ gate.double().T) * (x.double() @ up.double().T)
     got = bf16_gemm.GEMM.gated(gate, up)(x, activation)
-    assert got.shape == (rows, 1536)
+    assert got.shape == (rows, inter)
     torch_ops = act(F.linear(x, gate)) * F.linear(x, up)  # each op rounded to bfloat16
     assert _relative_error(got, exact) <= max(1.5 * _relative_error(torch_ops, exact), 2 ** -8)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_activations_keep_bfloat16_precision_across_their_range(activation):
+    """Each output against float64 relative to itself, not to the output's scale: the tails
+    (gelu at -4.5 is -1.4e-5) must not lose their digits to cancellation."""
+    g = torch.linspace(-12, 12, 4801, dtype=torch.float64)  # gate values, exact in bf16 below
+    gate = torch.diag(torch.ones(64)).to(BF16)  # x @ gate^T = x's first 64 inputs
+    up = torch.zeros(64, 64, dtype=BF16)
+    up[:, -1] = 1  # x @ up^T = x's last input, 1
+    x = torch.zeros(len(g), 64, dtype=BF16)
+    x[:, 0] = g.to(BF16)
+    x[:, -1] = 1
+    got = bf16_gemm.GEMM.gated(gate, up)(x, activation)[:, 0].double()
+    v = x[:, 0].double()
+    # gelu_tanh as v sigmoid(2z), z = sqrt(2/pi) (v + 0.044715 v^3): the same function as torch's
+    # v/2 (1 + tanh(z)), whose 1 + tanh cancels even in float64 (at -7.125 it is 22% off)
+    exact = (F.silu(v) if activation == "silu"
+             else v * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (v + 0.044715 * v ** 3)))
+    scale = exact.abs().clamp(min=1e-30)
+    keep = exact.abs() > 1e-30
+    assert float(((got - exact).abs() / scale)[keep].max()) <= 2 ** -7
 
 
 def test_a_gated_gemm_needs_whole_half_tiles():
@@ -81,6 +107,33 @@ def test_a_rows_bits_do_not_depend_on_the_rest_of_its_gemm():
         assert rows_invariant(bf16_gemm.GEMM(w), in_features, BF16, rows=40)
     gated = bf16_gemm.GEMM.gated(*(torch.randn(1536, 576, generator=g).to(BF16) for _ in range(2)))
     assert rows_invariant(gated, 576, BF16, rows=40)
+    assert rows_invariant(lambda x: gated(x, "gelu_tanh"), 576, BF16, rows=40)
+
+
+def test_a_prefill_spreads_its_row_blocks_over_threads_and_computes_the_same_bits():
+    """576 outputs are 18 tiles: with more threads than that, (tile, row block) items spread a
+    prefill's rows too; a row's bits are the same at any thread count."""
+    g = torch.Generator().manual_seed(3)
+    gemm = bf16_gemm.GEMM(torch.randn(576, 1536, generator=g).to(BF16))
+    x = torch.randn(300, 1536, generator=g).to(BF16)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 24):
+            torch.set_num_threads(count)
+            results.append(gemm(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_the_gemm_refuses_a_weight_it_cannot_read():
+    with pytest.raises(ValueError, match="a bfloat16 CPU weight"):
+        bf16_gemm.GEMM(torch.zeros(40, 32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="an even width"):
+        bf16_gemm.GEMM(torch.zeros(40, 33, dtype=BF16))
+    with pytest.raises(ValueError, match=r"with a bias \(39,\)"):
+        bf16_gemm.GEMM(torch.zeros(40, 32, dtype=BF16), torch.zeros(39, dtype=BF16))
 
 
 def test_the_models_use_it_for_bfloat16_weights_with_an_even_width(monkeypatch):
@@ -95,6 +148,9 @@ def test_the_models_use_it_for_bfloat16_weights_with_an_even_width(monkeypatch):
     assert bf16_gemm.unavailable(torch.zeros(4, 8, dtype=BF16)) == ""
     monkeypatch.setenv("TTSERVE_GEMM", "onednn")
     assert bf16_gemm.unavailable(torch.zeros(4, 8, dtype=BF16)) == "TTSERVE_GEMM=onednn"
+    monkeypatch.setenv("TTSERVE_GEMM", "fast")
+    with pytest.raises(ValueError, match="TTSERVE_GEMM='fast': onednn .* or ttserve"):
+        bf16_gemm.unavailable(torch.zeros(4, 8, dtype=BF16))
 
 
 def test_a_linear_layer_on_it_holds_one_copy_of_its_weight(monkeypatch):
@@ -177,3 +233,18 @@ def test_smollm2_decodes_a_prompt_alike_on_it_and_on_onednn(smollm2, monkeypatch
     clear = (top2[..., 0] - top2[..., 1]) > 0.5
     assert clear.sum() > clear.numel() // 4
     assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
+
+
+def test_after_a_kernel_brought_a_second_openmp_runtime_every_later_kernel_is_refused(monkeypatch):
+    """The refused kernel's runtime stays mapped (a library cannot be unloaded), and the next
+    kernel would bind to it without adding a mapping: the first refusal holds for every load."""
+    from ttserve.worker.backends.torch.models import decode_attention, native_build
+
+    monkeypatch.setattr(native_build, "_loaded", {})
+    monkeypatch.setattr(native_build, "_second_runtime", "")
+    torch_own, other = "/venv/torch/lib/libgomp.so.1", "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
+    mapped = iter([{torch_own}])  # before the first load; ever after, both
+    monkeypatch.setattr(native_build, "_gomp_libraries", lambda: next(mapped, {torch_own, other}))
+    why = native_build.load(bf16_gemm.SOURCE)
+    assert why == f"it would load a second OpenMP runtime beside torch's ({other})"
+    assert native_build.load(decode_attention.SOURCE) == why

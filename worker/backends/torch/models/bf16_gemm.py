@@ -41,10 +41,20 @@ _kernel: ctypes._CFuncPtr | None = None
 _why: str | None = None  # None: not tried; "": loaded; else why not
 
 
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return True  # let the build say (vector_bits)
+
+
 def _load() -> str:
     """Builds and loads the kernel once per process; "" when it can run here, else why not."""
     global _kernel, _why
     if _why is not None:
+        return _why
+    if not _cpu_has_avx512_bf16():  # no compile where it could only refuse
+        _why = "this CPU has no AVX512-BF16 (the kernel's only path)"
         return _why
     library = native_build.load(SOURCE)
     if isinstance(library, str):
@@ -70,6 +80,9 @@ def kernel_unavailable() -> str:
 def unavailable(weight: torch.Tensor) -> str:
     """Why the models' GEMMs of this [out, in] weight do not use the kernel here; "" when they do."""
     switch = os.environ.get(SWITCH, "").lower()
+    if switch not in ("", "onednn", "ttserve"):
+        raise ValueError(f"{SWITCH}={os.environ[SWITCH]!r}: onednn (never ttserve's GEMM) or ttserve (also on AMX "
+                         "CPUs), or unset")
     if switch == "onednn":
         return f"{SWITCH}=onednn"
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
@@ -85,9 +98,11 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [ceil(out / 32), in / 2, 32, 2], zero-padded to whole tiles (bf16_gemm.c)."""
     out, width = weight.shape
     tiles = -(-out // TILE)
-    padded = torch.zeros(tiles * TILE, width, dtype=weight.dtype)
-    padded[:out] = weight
-    return padded.view(tiles, TILE, width // 2, 2).transpose(1, 2).contiguous()
+    padded = weight
+    if out % TILE:  # only then a second copy (an LM head's is large)
+        padded = torch.zeros(tiles * TILE, width, dtype=weight.dtype)
+        padded[:out] = weight
+    return padded.reshape(tiles, TILE, width // 2, 2).transpose(1, 2).contiguous()
 
 
 class GEMM:
@@ -99,6 +114,11 @@ class GEMM:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if _kernel is None:
             raise RuntimeError("bf16_gemm.unavailable() must say \"\" first")
+        if not (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and weight.shape[1] % 2 == 0 and (bias is None or bias.shape == weight.shape[:1])):
+            raise ValueError(f"ttserve's GEMM takes a bfloat16 CPU weight [out, in] with an even width and a "
+                             f"bias [out], not {weight.dtype} {tuple(weight.shape)} on {weight.device.type}"
+                             + ("" if bias is None else f" with a bias {tuple(bias.shape)}"))
         self.out_features, self.in_features = weight.shape
         self.packed = _packed(weight)
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()

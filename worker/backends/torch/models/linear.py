@@ -161,7 +161,9 @@ class SwiGLU:
         if self.kind == "plain":
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return _ACTIVATIONS[activation](gate) * up
-        return _ACTIVATIONS[activation](self.gate(x)).mul_(self.up(x))
+        gate = self.gate(x)  # its own output: silu runs in place on it
+        gate = F.silu(gate, inplace=True) if activation == "silu" else _ACTIVATIONS[activation](gate)
+        return gate.mul_(self.up(x))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gated(x))

@@ -53,7 +53,7 @@ from safetensors import safe_open
 
 from ttserve.worker.sampling import SamplingBatch, sample
 
-from . import cpu_kernels, decode_attention, paged_kv
+from . import bf16_gemm, cpu_kernels, decode_attention, paged_kv
 from .decode_graph import DecodeGraph
 from .linear import BatchInvarianceError, Linear, SwiGLU, rows_invariant
 from .paged_kv import KVCache
@@ -371,6 +371,9 @@ class TorchLlamaForCausalLM:
                 mlp=SwiGLU(take(f"{p}.mlp.gate_proj.weight"), take(f"{p}.mlp.up_proj.weight"),
                            take(f"{p}.mlp.down_proj.weight"), batch_invariant=invariant),
             ))
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            log.info("GEMMs run %s", "ttserve's kernel (bf16_gemm.c)" if self.lm_head.kind == "ttserve" else
+                     f"{self.lm_head.kind}, not ttserve's kernel: {bf16_gemm.unavailable(self.embed)}")
         if invariant:
             self._check_rows_invariant()
 

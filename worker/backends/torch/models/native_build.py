@@ -28,6 +28,10 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-ma
 LINK_FLAGS = ("-shared", "-fopenmp")
 
 _loaded: dict[Path, "ctypes.CDLL | str"] = {}  # per source: the library, or why not
+# Why a kernel was refused for bringing a second OpenMP runtime: that runtime stays mapped (a
+# library cannot be unloaded), and a later kernel would bind to it unseen, so every later load is
+# refused for the same reason.
+_second_runtime = ""
 
 
 class CacheUnusable(OSError):
@@ -108,9 +112,12 @@ def load(source: Path) -> "ctypes.CDLL | str":
 
 
 def _build_and_load(source: Path) -> "ctypes.CDLL | str":
+    global _second_runtime
     if not sys.platform.startswith("linux"):
         return f"built for Linux only, not {sys.platform}"
-    torch_gomp = _gomp_libraries()  # torch's own, loaded with torch
+    if _second_runtime:
+        return _second_runtime
+    torch_gomp = _gomp_libraries()  # torch's own, loaded with torch (and any other library's)
     if not torch_gomp:
         # The kernel's OpenMP calls would load GNU OpenMP as a second runtime beside torch's
         # (an Intel or LLVM OpenMP build): two thread teams spinning on the same cores.
@@ -125,5 +132,7 @@ def _build_and_load(source: Path) -> "ctypes.CDLL | str":
         return f"no C compiler could build {source.name} ({type(e).__name__}: {e})"
     runtimes = _gomp_libraries()
     if runtimes != torch_gomp:
-        return f"it would load a second OpenMP runtime beside torch's ({', '.join(sorted(runtimes - torch_gomp))})"
+        _second_runtime = (f"it would load a second OpenMP runtime beside torch's "
+                           f"({', '.join(sorted(runtimes - torch_gomp))})")
+        return _second_runtime
     return library
