@@ -801,3 +801,14 @@ def test_check_passes_the_embedded_default_and_refuses_a_bad_control_flag(smollm
     assert done.returncode == 1
     assert "error: control plane: --max-num-seqs must be a positive per-lane count, got 0" in done.stdout
     assert "error: port 50051 is given to 2 services" in done.stdout
+
+
+def test_a_worker_converts_an_embedded_model_not_prepared_yet_then_plans_with_it(monkeypatch, tmp_path):
+    """The plan leaves an unconverted embedded model's checks to start-up (`ttserve check` writes
+    nothing); the worker's start-up converts it and plans again, rather than serve no folder."""
+    monkeypatch.setenv("TTSERVE_CACHE_DIR", str(tmp_path))
+    args = worker_args("--backend", "sim", "--model", "smollm2")
+    assert plan_worker(args).model_path is None  # nothing converted yet
+    service = worker_config.build_service(args)
+    assert service.runner.model_path == tmp_path / "models" / "SmolLM2-135M-Instruct"
+    assert plan_worker(args).model_path == service.runner.model_path

@@ -109,6 +109,16 @@ def build_service(args: argparse.Namespace, control_identity: str | None = None)
     from .planning.preflight import plan_worker
 
     plan = plan_worker(args)
+    if plan.model_path is None and not plan.fatal:
+        # An embedded model not converted yet: the plan left its model checks to start-up. Convert
+        # it now (the one step that writes the cache), then plan again with the folder there.
+        from .planning.model_prepare import ModelPrepareError, resolve_model
+
+        try:
+            resolve_model(args.model)
+        except ModelPrepareError as e:
+            raise ConfigRefused(str(e)) from None
+        plan = plan_worker(args)
     for warning in plan.warnings:
         log.warning("%s", warning)
     if plan.fatal:
