@@ -2,12 +2,12 @@
 once at load.
 
 Why: a decode step reads every weight once, and with a few rows that read is the whole cost.
-oneDNN's bf16 GEMM (vLLM CPU's handler) read SmolLM2's weights at 17-24 GB/s on the 2-core EPYC
-(Zen 4) with one row; this kernel, whose packed tiles are one stream and whose accumulators hold
-outputs, at 32-61 GB/s: the whole model's GEMMs at 1 row 11.6 -> ~7 ms, at 8 rows 15.8 -> ~10 ms,
-and no slower than oneDNN up to 512 rows (prefill) on that CPU (benchmarks/weight_bound.py compares
-them). A gated MLP's gate and up projections are one GEMM whose epilogue applies the activation
-and the product.
+oneDNN's bf16 GEMM (vLLM CPU's handler) read SmolLM2's weights at 17-19 GB/s on the 2-core EPYC
+(Zen 4) with 1 to 8 rows; this kernel, whose packed tiles are one stream and whose accumulators
+hold outputs, at 25-27 GB/s. SmolLM2's GEMMs in layer order (benchmarks/gemm.py), oneDNN ->
+ttserve: 1 row 14.5 -> 9.9 ms, 8 rows 14.3 -> 10.1, 32 rows 29.1 -> 26.1 (both near the cores'
+arithmetic peak from here on), 512 rows 367 -> 364, 2048 rows 1595 -> 1600. A gated MLP's gate and
+up projections are one GEMM whose epilogue applies the activation and the product.
 
 Where: a Linear or gated MLP whose weight is bfloat16 on a CPU with AVX512-BF16 and an even
 number of inputs. Not on AMX CPUs: there oneDNN's AMX tiles compute a prefill several times

@@ -1,8 +1,8 @@
 """A linear layer whose weight is kept in the layout the device's GEMM reads fastest.
 
 On a CPU with AVX512-BF16 and no AMX, a bfloat16 weight is packed for ttserve's own GEMM
-(bf16_gemm.py: a decode step's weight read at up to twice oneDNN's rate there, prefill no slower,
-a gated MLP's activation in its epilogue). Otherwise, on a CPU in 16 bits, the weight goes to
+(bf16_gemm.py: a decode step's weights read 1.4-1.5x as fast as oneDNN reads them there, prefill
+alike, a gated MLP's activation in its epilogue). Otherwise, on a CPU in 16 bits, the weight goes to
 vLLM CPU's oneDNN matmul handler
 (`cpu_kernels.MatMul`), as vLLM's own linear layers do; without vLLM's op library, bfloat16 falls
 back to torch's mkldnn packed linear (the packing inductor's CPU freezing pass uses). Both beat
