@@ -75,8 +75,7 @@ def main() -> int:
         del packed
         passes["torch_f_linear"] = best_pass(plain, rows, F.linear, args.repeats)
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from ttserve.worker.backends.torch.models import cpu_kernels
-        from ttserve.worker.backends.torch.models import bf16_gemm
+        from ttserve.worker.backends.torch.models import bf16_gemm, cpu_kernels
         if not cpu_kernels.gemm_unavailable(plain[0][1]):
             handlers = [(i, cpu_kernels.MatMul(w, None)) for i, w in plain]
             passes["vllm_onednn"] = best_pass(handlers, rows, lambda x, h: h(x), args.repeats)

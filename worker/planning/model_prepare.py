@@ -10,8 +10,8 @@ Cache layout (`$TTSERVE_CACHE_DIR`, default `~/.cache/ttserve`):
 
     models/<ModelName>/                 complete folder, `.ttserve-prepared` written last
     models/.<ModelName>.partial-<pid>-* being built by process <pid>; renamed into place whole
-    kernels/decode_attention-<key>.so   the decode attention kernel built for this host
-                                        (worker/backends/torch/models/decode_attention.py)
+    kernels/<kernel>-<key>.so           ttserve's C kernels (decode_attention, bf16_gemm) built
+                                        for this host (worker/backends/torch/models/native_build.py)
 
 Invariant: a folder at `models/<ModelName>` that holds the marker is complete and is reused
 as-is; nothing half-written is ever visible under the final name.

@@ -41,19 +41,12 @@ _kernel: ctypes._CFuncPtr | None = None
 _why: str | None = None  # None: not tried; "": loaded; else why not
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return True  # let the build say (vector_bits)
-
-
 def _load() -> str:
     """Builds and loads the kernel once per process; "" when it can run here, else why not."""
     global _kernel, _why
     if _why is not None:
         return _why
-    if not _cpu_has_avx512_bf16():  # no compile where it could only refuse
+    if not torch.cpu._is_avx512_bf16_supported():  # no compile where it could only refuse
         _why = "this CPU has no AVX512-BF16 (the kernel's only path)"
         return _why
     library = native_build.load(SOURCE)
@@ -109,7 +102,7 @@ class GEMM:
     """y = x W^T (+ b) for x [..., in] bfloat16, W [out, in]; or, made by `gated`, a gated MLP's
     act(x Wg^T) * (x Wu^T). unavailable(weight) must have said ""."""
 
-    __slots__ = ("packed", "bias", "out_features", "in_features", "is_gated", "_n")
+    __slots__ = ("packed", "bias", "out_features", "in_features", "is_gated")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if _kernel is None:
@@ -123,7 +116,6 @@ class GEMM:
         self.packed = _packed(weight)
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self.is_gated = False
-        self._n = self.out_features  # outputs the kernel computes
 
     @classmethod
     def gated(cls, gate: torch.Tensor, up: torch.Tensor) -> "GEMM":
@@ -148,5 +140,6 @@ class GEMM:
         if rows:
             _kernel(x2.data_ptr(), x2.stride(0), self.packed.data_ptr(),
                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.out_features,
-                    rows, self._n, self.in_features, _EPILOGUES[activation if self.is_gated else None])
+                    rows, self.packed.shape[0] * TILE if self.is_gated else self.out_features, self.in_features,
+                    _EPILOGUES[activation if self.is_gated else None])
         return y.view(*lead, self.out_features)
