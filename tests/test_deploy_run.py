@@ -17,7 +17,8 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import ContextManager
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,11 @@ def compose(tmp_path_factory, smollm2) -> Iterator[Project]:
             project.down()
 
 
+def worker_ready() -> bool:
+    with urllib.request.urlopen("http://127.0.0.1:9402/ready", timeout=5) as r:
+        return json.loads(r.read())["ok"] is True
+
+
 def tls_dir(project: Project) -> Path:
     return Path(project.variables["TTSERVE_TLS_DIR"])
 
@@ -116,10 +122,9 @@ def test_compose_starts_in_the_order_depends_on_allows(compose):
         probes = compose.health[service].probes
         assert probes and probes[-1][1] == 0, probes
         assert "/health" in " ".join(compose.plans[service].healthcheck.test)
-    # Readiness followed liveness: the control plane warmed the worker up.
-    with compose.net.inside("worker"):
-        with urllib.request.urlopen("http://127.0.0.1:9402/ready", timeout=5) as r:
-            assert json.loads(r.read())["ok"] is True
+    # Readiness follows liveness: the control plane, once started, warms the worker up.
+    wait_for(worker_ready, lambda: compose.net.inside("worker"), "the worker to be ready",
+             compose.logs)
 
 
 @pytest.mark.e2e
@@ -127,7 +132,11 @@ def test_compose_serves_a_chat_completion_through_the_gateway(compose):
     key = (tls_dir(compose) / "api-key").read_text().strip()
     with compose.inside("gateway"):  # where the published port 8000:8000 leads
         assert https_get("https://127.0.0.1:8000/v1/models", tls_dir(compose) / "ca.crt") == 401, "the key is required"
-        assert https_get("https://127.0.0.1:8000/ready", tls_dir(compose) / "ca.crt", key) == 200
+    # Healthy is not ready: the gateway answers /health (and 503s) while the worker warms up, as
+    # deploy/README.md says, so a client waits for /ready as a balancer would.
+    wait_for(lambda: https_get("https://127.0.0.1:8000/ready", tls_dir(compose) / "ca.crt", key) == 200,
+             lambda: compose.inside("gateway"), "the gateway to be ready", compose.logs)
+    with compose.inside("gateway"):
         text = chat("https://127.0.0.1:8000/v1", tls_dir(compose) / "ca.crt", key)
     assert text.strip(), "an empty reply"
 
@@ -237,9 +246,13 @@ def test_systemd_units_serve_restart_and_stop(tmp_path, smollm2, host_network):
         tls = root / "etc" / "ttserve" / "tls"
         key = (tls / "api-key").read_text().strip()
 
+        def on_host(check: Callable[[], bool], what: str) -> None:
+            wait_for(check, lambda: host_network.inside("host"), what, host.logs,
+                     lambda: {n: r.failed for n, r in host.runs.items() if r.failed})
+
         def serves_a_chat(when: str) -> None:
-            wait_for(lambda: https_get("https://127.0.0.1:8000/ready", tls / "ca.crt", key) == 200,
-                     host, host_network, f"the gateway to be ready {when}")
+            on_host(lambda: https_get("https://127.0.0.1:8000/ready", tls / "ca.crt", key) == 200,
+                    f"the gateway to be ready {when}")
             with host_network.inside("host"):
                 assert chat("https://127.0.0.1:8000/v1", tls / "ca.crt", key).strip()
 
@@ -248,8 +261,8 @@ def test_systemd_units_serve_restart_and_stop(tmp_path, smollm2, host_network):
         # after RestartSec=, and the gateway serves through it again.
         control = host.runs["ttserve-control.service"]
         control.current.proc.kill()
-        wait_for(lambda: len(control.processes) == 2 and control.current.alive(), host, host_network,
-                 "the control plane to be restarted")
+        on_host(lambda: len(control.processes) == 2 and control.current.alive(),
+                "the control plane to be restarted")
         serves_a_chat("after the control plane's restart")
         stopped = host.stop()
         assert list(stopped) == list(reversed(ENABLED[:3]))
@@ -261,21 +274,23 @@ def test_systemd_units_serve_restart_and_stop(tmp_path, smollm2, host_network):
         host.close()
 
 
-def wait_for(check, host: Host, net: Network, what: str, timeout: float = UP_TIMEOUT_S) -> None:
-    """Until check() (run inside the host's namespace) is true; fails at once on a unit that
-    systemd would have given up on."""
+def wait_for(check: Callable[[], bool], inside: Callable[[], ContextManager[None]], what: str,
+             logs: Callable[[], str], failed: Callable[[], dict[str, object]] = dict,
+             timeout: float = UP_TIMEOUT_S) -> None:
+    """Until check() (run `inside` the namespace it needs) is true; fails at once when failed()
+    names a service its supervisor has given up on. logs() is read only on failure."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        failed = {n: r.failed for n, r in host.runs.items() if r.failed}
-        assert not failed, f"{failed} while waiting for {what}\n{host.logs()}"
+        gave_up = failed()
+        assert not gave_up, f"{gave_up} while waiting for {what}\n{logs()}"
         try:
-            with net.inside("host"):
+            with inside():
                 if check():
                     return
         except OSError:
             pass
         time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}\n{host.logs()}")
+    raise AssertionError(f"timed out waiting for {what}\n{logs()}")
 
 
 @contextlib.contextmanager
