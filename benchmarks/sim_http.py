@@ -12,7 +12,11 @@ client with streamed completions of 128-token prompts (token ids: no chat templa
     includes the prefill steps of the others that follow their first token: a step is prefill or
     decode, never both, on a TT device as in the TT plugin);
   - itl_ratio: the profile's decode step / the median gap between consecutive tokens over every
-    stream (the decode steps' pace through the host path, the prefill steps aside).
+    stream (the decode steps' pace through the host path, the prefill steps aside);
+  - at c=1, server_overhead_ms: the same TTFT from a client that costs nothing (a raw socket:
+    from the request's bytes written to the first token's event read) minus the prefill, and
+    client_overhead_ms: what the openai client itself adds (building the request, parsing the
+    stream: ~3-6 ms on a 2-core machine, more than the host path's goal).
 Twice: with the TT plugin's default of sampling on the host (every decode step waits for the
 round trip through the control plane: no async decode) and with tt.sample_on_device_mode
 decode_only, under which decode steps are pipelined.
@@ -25,6 +29,7 @@ import argparse
 import concurrent.futures
 import json
 import re
+import socket
 import statistics
 import sys
 import time
@@ -50,6 +55,26 @@ def stream_one(client: openai.OpenAI, name: str, seed: int, max_tokens: int) -> 
     assert len(arrivals) > 1
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return arrivals[0] - started, (arrivals[-1] - arrivals[0]) / len(gaps), gaps
+
+
+def raw_ttft(port: int, name: str, seed: int) -> float:
+    """TTFT in seconds of one streamed completion sent as bytes on a fresh TCP connection: from
+    the request written to the first event with text read, no HTTP library on either side."""
+    body = json.dumps({"model": name, "prompt": [1000 + (seed * 7 + i) % 30000 for i in range(PROMPT_LEN)],
+                       "max_tokens": 1, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        started = time.perf_counter()
+        sock.sendall(request)
+        received, first = b"", None
+        while chunk := sock.recv(65536):
+            received += chunk
+            if first is None and b'"text"' in received:
+                first = time.perf_counter()
+    assert first is not None and b" 200 OK" in received.split(b"\r\n", 1)[0], received[:300]
+    return first - started
 
 
 def control_ttft_mean(metrics_port: int, before: tuple[float, float]) -> tuple[float, tuple[float, float]]:
@@ -107,9 +132,13 @@ def measure(model, profile, extra: list[str], requests: int, max_tokens: int) ->
                      "tpot_ratio": round(profile.decode_step_s / tpot, 3),
                      "itl_p50_ms": round(itl * 1e3, 2), "itl_ratio": round(profile.decode_step_s / itl, 3)}
             if c == 1:
+                raw = statistics.median(raw_ttft(port, model.name, i) for i in range(n))
+                _, counted = control_ttft_mean(metrics, counted)  # the raw requests' own
                 level.update({"ttft_overhead_ms": round(ttft * 1e3 - prefill_ms, 2),
                               "of_which_control_and_worker_ms": round(control_ttft * 1e3 - prefill_ms, 2),
-                              "of_which_http_and_gateway_ms": round((ttft - control_ttft) * 1e3, 2)})
+                              "of_which_http_and_gateway_ms": round((ttft - control_ttft) * 1e3, 2),
+                              "server_overhead_ms": round(raw * 1e3 - prefill_ms, 2),
+                              "client_overhead_ms": round((ttft - raw) * 1e3, 2)})
             report[f"c{c}"] = level
     finally:
         server.stop()

@@ -41,7 +41,8 @@ EXPECTED = {
     # A CPU without AVX512-BF16 cannot run ttserve's GEMM: the benchmark says so.
     "gemm.py": [r'"onednn_over_ttserve": [0-9.]+|"skipped": "'],
     "decode_attention.py": [r'"kernel_ratio": [0-9.]+', r'"step_ratio": [0-9.]+'],
-    "sim_http.py": [r'"ttft_overhead_ms": -?[0-9.]+', r'"tpot_ratio": [0-9.]+', r'"itl_ratio": [0-9.]+'],
+    "sim_http.py": [r'"ttft_overhead_ms": -?[0-9.]+', r'"server_overhead_ms": -?[0-9.]+', r'"tpot_ratio": [0-9.]+',
+                    r'"itl_ratio": [0-9.]+'],
     "vs_vllm.py": [r"\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", r"\| 4 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|",
                    r"c=1 TPOT p50 / bound: vLLM [0-9.]+, ttserve [0-9.]+", r"round 1 ratios ttserve / vLLM",
                    r"ratio start-up ttserve / vLLM: [0-9.]+", r"ttserve: start-up to serving [0-9.]+ s",

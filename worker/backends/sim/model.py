@@ -110,6 +110,7 @@ class SimOutput:
     """A decode result still on the device until its event completes."""
     tokens: torch.Tensor
     event: SimEvent
+    logits: torch.Tensor | None = None  # made at launch for a host-sampled step (see prefill_forward)
 
 
 def next_token(token: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -165,10 +166,14 @@ class SimModel:
             padded = self.profile.bucket(end - start)
             traced = enable_trace and padded in self.traced_prefill
             seconds += self.profile.prefill_s(padded) * (1 if traced else self.profile.eager_slowdown)
-        SimEvent(self.device.launch(seconds)).synchronize()
+        done = SimEvent(self.device.launch(seconds))
+        # The device's output is made while its time runs, not after: the host's cost of emulating
+        # the device must not show as host work in a step (sim_http measures the host path).
         last = tokens.gather(1, (ends - 1).clamp(min=0)[:, None])[:, 0]
         out = next_token(last, ends - 1, self.vocab_size)
-        return out if sampling_params is not None else _one_hot_logits(out, self.vocab_size)
+        out = out if sampling_params is not None else _one_hot_logits(out, self.vocab_size)
+        done.synchronize()
+        return out
 
     def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: Any = None,
                        kv_cache: Any = None, enable_trace: bool = False, read_from_device: bool = True,
@@ -177,7 +182,8 @@ class SimModel:
         seconds = self.profile.decode_step_s * (1 if traced else self.profile.eager_slowdown)
         positions = torch.as_tensor(start_pos).long()
         out = torch.where(positions >= 0, next_token(tokens.reshape(-1).long(), positions, self.vocab_size), 0)
-        handle = SimOutput(out, SimEvent(self.device.launch(seconds)))
+        handle = SimOutput(out, SimEvent(self.device.launch(seconds)),
+                           None if sampling_params is not None else _one_hot_logits(out, self.vocab_size))
         return self.read_decode_output(handle) if read_from_device else handle
 
     def verify_forward(self, tokens: torch.Tensor, start_pos: Any, page_table: Any = None, kv_cache: Any = None,
@@ -186,11 +192,13 @@ class SimModel:
         whose argmax at [i, j] is the token after row i's j-th token, at the profile's verify_s."""
         starts = torch.as_tensor(start_pos).long().reshape(-1)
         counts = torch.as_tensor(num_tokens).long().reshape(-1)
-        SimEvent(self.device.launch(self.profile.verify_s(int((counts - 1).clamp(min=0).sum())))).synchronize()
+        done = SimEvent(self.device.launch(self.profile.verify_s(int((counts - 1).clamp(min=0).sum()))))
         rows, width = tokens.shape
         positions = starts[:, None] + torch.arange(width)[None, :]
         out = next_token(tokens.long(), positions, self.vocab_size).reshape(-1)
-        return _one_hot_logits(out, self.vocab_size).reshape(rows, width, self.vocab_size)
+        logits = _one_hot_logits(out, self.vocab_size).reshape(rows, width, self.vocab_size)
+        done.synchronize()
+        return logits
 
     def read_decode_output(self, out: SimOutput, async_read: bool = False) -> Any:
         if async_read:
@@ -199,8 +207,11 @@ class SimModel:
         return out.tokens
 
     def process_decode_output_host(self, out: Any, is_tokens: bool = False) -> torch.Tensor:
-        tokens = out.tokens if isinstance(out, SimOutput) else out
-        return tokens.reshape(-1) if is_tokens else _one_hot_logits(tokens.reshape(-1), self.vocab_size)
+        if isinstance(out, SimOutput):
+            if not is_tokens and out.logits is not None:
+                return out.logits
+            out = out.tokens
+        return out.reshape(-1) if is_tokens else _one_hot_logits(out.reshape(-1), self.vocab_size)
 
 
 def _one_hot_logits(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
