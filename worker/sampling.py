@@ -31,11 +31,12 @@ import torch
 
 from .batch import HostSampling, TokenLogprobs
 
-# Logits of at most this many entries (a few rows of a large vocabulary) are sampled on one
-# thread. Their ops are too small to gain from a team, and a team that slept while a device
-# computed must first be woken: on 2 vCPUs, one row of SmolLM2's 49,152 logits after 50 ms idle
-# took 4.1 ms on 2 threads and 1.2 ms on 1 (0.3 ms either way with the team awake).
-ONE_THREAD_ENTRIES = 1 << 18
+# Logits of at most this many entries (one row of a 128K vocabulary, two of SmolLM2's) are
+# sampled on one thread. Their ops are too small to gain from a team, and a team that slept while
+# a device computed must first be woken: on 2 vCPUs, one row of SmolLM2's 49,152 logits after
+# 50 ms idle took 4.1 ms on 2 threads and 1.2 ms on 1 (0.2-0.3 ms either way with the team
+# awake). From 4 rows on, an awake team is faster (1.8 vs 2.1 ms), so larger batches keep it.
+ONE_THREAD_ENTRIES = 1 << 17
 
 _F = TypeVar("_F", bound=Callable)
 
