@@ -41,14 +41,20 @@ from vs_vllm import Server
 
 PROFILE = "galaxy-llama-3.3-70b"
 PROMPT_LEN = 128
+RAW_SEEDS = 10_000  # the raw client's prompts: none the openai client sent
+
+
+def prompt(seed: int) -> list[int]:
+    """PROMPT_LEN token ids of its own for each seed (no prefix shared: a prefix-cache hit would
+    change the host's work, not the sim's prefill time)."""
+    return [1000 + (seed * 7 + i) % 30000 for i in range(PROMPT_LEN)]
 
 
 def stream_one(client: openai.OpenAI, name: str, seed: int, max_tokens: int) -> tuple[float, float, list[float]]:
     """(TTFT, TPOT, the gaps between consecutive tokens) in seconds of one streamed completion."""
-    prompt = [1000 + (seed * 7 + i) % 30000 for i in range(PROMPT_LEN)]
     started = time.perf_counter()
     arrivals = []
-    for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, stream=True,
+    for chunk in client.completions.create(model=name, prompt=prompt(seed), max_tokens=max_tokens, stream=True,
                                            extra_body={"ignore_eos": True}):
         if chunk.choices and chunk.choices[0].text is not None:
             arrivals.append(time.perf_counter())
@@ -57,11 +63,12 @@ def stream_one(client: openai.OpenAI, name: str, seed: int, max_tokens: int) -> 
     return arrivals[0] - started, (arrivals[-1] - arrivals[0]) / len(gaps), gaps
 
 
-def raw_ttft(port: int, name: str, seed: int) -> float:
-    """TTFT in seconds of one streamed completion sent as bytes on a fresh TCP connection: from
-    the request written to the first event with text read, no HTTP library on either side."""
-    body = json.dumps({"model": name, "prompt": [1000 + (seed * 7 + i) % 30000 for i in range(PROMPT_LEN)],
-                       "max_tokens": 1, "stream": True}).encode()
+def raw_ttft(port: int, name: str, seed: int, max_tokens: int) -> float:
+    """TTFT in seconds of stream_one's completion sent as bytes on a fresh TCP connection: from
+    the request written (after the connect, which the server's accept then follows: counted in
+    the server's share) to the first event with text read, no HTTP library on the client."""
+    body = json.dumps({"model": name, "prompt": prompt(seed), "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True}).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
@@ -132,7 +139,7 @@ def measure(model, profile, extra: list[str], requests: int, max_tokens: int) ->
                      "tpot_ratio": round(profile.decode_step_s / tpot, 3),
                      "itl_p50_ms": round(itl * 1e3, 2), "itl_ratio": round(profile.decode_step_s / itl, 3)}
             if c == 1:
-                raw = statistics.median(raw_ttft(port, model.name, i) for i in range(n))
+                raw = statistics.median(raw_ttft(port, model.name, RAW_SEEDS + i, max_tokens) for i in range(n))
                 _, counted = control_ttft_mean(metrics, counted)  # the raw requests' own
                 level.update({"ttft_overhead_ms": round(ttft * 1e3 - prefill_ms, 2),
                               "of_which_control_and_worker_ms": round(control_ttft * 1e3 - prefill_ms, 2),

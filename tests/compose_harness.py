@@ -445,9 +445,8 @@ class Project:
                 if self._may_start(name):
                     self._start(name)
                     pending.remove(name)
-            for name, process in self.running.items():
-                if not process.alive():
-                    raise ComposeError(f"{name} exited with status {process.proc.returncode}\n{self.logs()}")
+            for name, status in self.exited().items():
+                raise ComposeError(f"{name} exited with status {status}\n{self.logs()}")
             if time.monotonic() > deadline:
                 raise ComposeError(f"not up after {timeout_s:.0f} s: waiting for {pending or 'health'}; "
                                    f"health {self.states()}\n{self.logs()}")
@@ -491,6 +490,10 @@ class Project:
 
     def states(self) -> dict[str, str]:
         return {name: monitor.state for name, monitor in self.health.items()}
+
+    def exited(self) -> dict[str, int | None]:
+        """The started services whose process has exited, with its status."""
+        return {name: process.proc.returncode for name, process in self.running.items() if not process.alive()}
 
     def logs(self) -> str:
         return "\n".join(f"--- {name} ---\n{process.output()}" for name, process in self.running.items())

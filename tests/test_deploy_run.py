@@ -18,7 +18,6 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from typing import ContextManager
 from pathlib import Path
 
 import pytest
@@ -124,7 +123,7 @@ def test_compose_starts_in_the_order_depends_on_allows(compose):
         assert "/health" in " ".join(compose.plans[service].healthcheck.test)
     # Readiness follows liveness: the control plane, once started, warms the worker up.
     wait_for(worker_ready, lambda: compose.net.inside("worker"), "the worker to be ready",
-             compose.logs)
+             compose.logs, compose.exited)
 
 
 @pytest.mark.e2e
@@ -135,7 +134,7 @@ def test_compose_serves_a_chat_completion_through_the_gateway(compose):
     # Healthy is not ready: the gateway answers /health (and 503s) while the worker warms up, as
     # deploy/README.md says, so a client waits for /ready as a balancer would.
     wait_for(lambda: https_get("https://127.0.0.1:8000/ready", tls_dir(compose) / "ca.crt", key) == 200,
-             lambda: compose.inside("gateway"), "the gateway to be ready", compose.logs)
+             lambda: compose.inside("gateway"), "the gateway to be ready", compose.logs, compose.exited)
     with compose.inside("gateway"):
         text = chat("https://127.0.0.1:8000/v1", tls_dir(compose) / "ca.crt", key)
     assert text.strip(), "an empty reply"
@@ -274,8 +273,8 @@ def test_systemd_units_serve_restart_and_stop(tmp_path, smollm2, host_network):
         host.close()
 
 
-def wait_for(check: Callable[[], bool], inside: Callable[[], ContextManager[None]], what: str,
-             logs: Callable[[], str], failed: Callable[[], dict[str, object]] = dict,
+def wait_for(check: Callable[[], bool], inside: Callable[[], contextlib.AbstractContextManager[None]],
+             what: str, logs: Callable[[], str], failed: Callable[[], dict[str, object]] = dict,
              timeout: float = UP_TIMEOUT_S) -> None:
     """Until check() (run `inside` the namespace it needs) is true; fails at once when failed()
     names a service its supervisor has given up on. logs() is read only on failure."""

@@ -286,7 +286,10 @@ def test_one_thread_sampling_draws_the_same_tokens_as_the_team(monkeypatch):
     import ttserve.worker.sampling as sampling
 
     logits = torch.randn(4, 5000)
-    tokens = []
+    tokens, seen = [], []
+    real_filtered = sampling._filtered_probs
+    monkeypatch.setattr(sampling, "_filtered_probs", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                                      real_filtered(*a, **k))[1])
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -297,4 +300,5 @@ def test_one_thread_sampling_draws_the_same_tokens_as_the_team(monkeypatch):
             tokens.append(sample(logits, batch))
     finally:
         torch.set_num_threads(before)
+    assert seen == [1, 2]
     assert torch.equal(tokens[0], tokens[1])

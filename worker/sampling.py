@@ -25,27 +25,33 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from .batch import HostSampling, TokenLogprobs
 
-# Logits of at most this many entries (one row of a 128K vocabulary, two of SmolLM2's) are
-# sampled on one thread. Their ops are too small to gain from a team, and a team that slept while
-# a device computed must first be woken: on 2 vCPUs, one row of SmolLM2's 49,152 logits after
-# 50 ms idle took 4.1 ms on 2 threads and 1.2 ms on 1 (0.2-0.3 ms either way with the team
-# awake). From 4 rows on, an awake team is faster (1.8 vs 2.1 ms), so larger batches keep it.
+# Logits of at most this many entries (one row of a 128K vocabulary) are sampled on one thread.
+# Their ops are too small to gain from a team, and a team that slept while a device computed
+# must first be woken: on 2 vCPUs, one row of SmolLM2's 49,152 logits after 50 ms idle took
+# 4.1 ms on 2 threads and 1.2 ms on 1 (0.2-0.3 ms either way with the team awake). At 4 rows an
+# awake team was faster (1.8 vs 2.1 ms); 2 and 3 rows measured within noise of either.
 ONE_THREAD_ENTRIES = 1 << 17
 
-_F = TypeVar("_F", bound=Callable)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
-def _one_thread_when_small(fn: _F) -> _F:
+def _one_thread_when_small(fn: Callable[Concatenate[torch.Tensor, _P], _R]
+                           ) -> Callable[Concatenate[torch.Tensor, _P], _R]:
     """Runs `fn(logits, ...)` on one torch thread when the logits are on the CPU and small
-    (ONE_THREAD_ENTRIES); the process's thread count is restored after."""
+    (ONE_THREAD_ENTRIES); the calling thread's count is restored after, also on a raise.
+
+    torch keeps the count per thread, and a thread takes the process's default at its first
+    parallel op: a thread whose first op fell inside another's window would keep 1 for good. The
+    worker runs every torch op of its steps on its one device thread, so none does."""
     @functools.wraps(fn)
-    def wrapper(logits: torch.Tensor, *args, **kwargs):
+    def wrapper(logits: torch.Tensor, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         threads = torch.get_num_threads()
         if threads == 1 or logits.device.type != "cpu" or logits.numel() > ONE_THREAD_ENTRIES:
             return fn(logits, *args, **kwargs)
@@ -54,7 +60,7 @@ def _one_thread_when_small(fn: _F) -> _F:
             return fn(logits, *args, **kwargs)
         finally:
             torch.set_num_threads(threads)
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 @dataclass(slots=True)
@@ -421,7 +427,6 @@ def _apply_penalties(row: torch.Tensor, host: HostSampling) -> None:
         row.sub_(host.presence_penalty * seen.to(row.dtype))
 
 
-@_one_thread_when_small
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
                     ) -> list[TokenLogprobs | None]:
     """Logprobs of each row's sampled token and its top-k, for the rows that asked.
@@ -433,9 +438,15 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingB
     """
     wanted = [(i, h.logprobs) for i, h in enumerate(batch.host)
               if h is not None and h.logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(batch)
-    if not wanted:
-        return result
+    if not wanted:  # the common case: no thread switch for nothing
+        return [None] * len(batch)
+    return _wanted_logprobs(logits, tokens, wanted, len(batch))
+
+
+@_one_thread_when_small
+def _wanted_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[tuple[int, int]],
+                     rows_in_batch: int) -> list[TokenLogprobs | None]:
+    result: list[TokenLogprobs | None] = [None] * rows_in_batch
     rows = torch.tensor([i for i, _ in wanted], dtype=torch.long, device=logits.device)
     raw = logits[rows].float().log_softmax(dim=-1)
     top_logprobs, top_ids = raw.topk(max(k for _, k in wanted), dim=-1)

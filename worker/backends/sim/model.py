@@ -110,7 +110,9 @@ class SimOutput:
     """A decode result still on the device until its event completes."""
     tokens: torch.Tensor
     event: SimEvent
-    logits: torch.Tensor | None = None  # made at launch for a host-sampled step (see prefill_forward)
+    # A host-sampled step's logits, made at launch (set iff the step was launched without
+    # sampling_params and not read at once); process_decode_output_host returns them.
+    logits: torch.Tensor | None = None
 
 
 def next_token(token: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -180,10 +182,11 @@ class SimModel:
                        sampling_params: Any = None, **_: Any) -> Any:
         traced = enable_trace and self.traced_decode
         seconds = self.profile.decode_step_s * (1 if traced else self.profile.eager_slowdown)
+        done = SimEvent(self.device.launch(seconds))  # the output is made while the device's time runs
         positions = torch.as_tensor(start_pos).long()
         out = torch.where(positions >= 0, next_token(tokens.reshape(-1).long(), positions, self.vocab_size), 0)
-        handle = SimOutput(out, SimEvent(self.device.launch(seconds)),
-                           None if sampling_params is not None else _one_hot_logits(out, self.vocab_size))
+        host_sampled = sampling_params is None and not read_from_device
+        handle = SimOutput(out, done, _one_hot_logits(out, self.vocab_size) if host_sampled else None)
         return self.read_decode_output(handle) if read_from_device else handle
 
     def verify_forward(self, tokens: torch.Tensor, start_pos: Any, page_table: Any = None, kv_cache: Any = None,
