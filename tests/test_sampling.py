@@ -257,48 +257,47 @@ def test_bitmasks_of_a_batch_unpack_as_each_alone_padding_short_masks_with_disal
             assert torch.equal(row, bitmask_allowed(mask, vocab))
 
 
-def test_small_logits_are_sampled_on_one_thread_and_the_thread_count_comes_back(monkeypatch):
+@pytest.fixture
+def threads_seen(monkeypatch) -> list[int]:
+    """A team of 2 torch threads for the test (the count before is restored after), and the
+    thread count each sample() call ran its probabilities on, in call order."""
+    import ttserve.worker.sampling as sampling
+
+    seen: list[int] = []
+    real_filtered = sampling._filtered_probs
+    monkeypatch.setattr(sampling, "_filtered_probs", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                                      real_filtered(*a, **k))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield seen
+    torch.set_num_threads(before)
+
+
+def test_small_logits_are_sampled_on_one_thread_and_the_thread_count_comes_back(threads_seen):
     """A few rows' logits go to one thread (a team woken after a device's step costs more than it
     saves); large ones keep the process's threads; the count is restored, also after a refusal."""
     import ttserve.worker.sampling as sampling
 
-    seen = []
-    real_filtered = sampling._filtered_probs
-    monkeypatch.setattr(sampling, "_filtered_probs", lambda *a, **k: (seen.append(torch.get_num_threads()),
-                                                                      real_filtered(*a, **k))[1])
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        batch = SamplingBatch(temperature=[1.0], top_k=[0], top_p=[1.0], generators=[seeded_generator(7)])
-        small = sample(torch.randn(1, 1000), batch)
-        large = sample(torch.randn(1, sampling.ONE_THREAD_ENTRIES + 1), batch)
-        assert seen == [1, 2] and torch.get_num_threads() == 2
-        assert small.shape == large.shape == (1,)
-        with pytest.raises(ValueError, match="rows, vocab"):
-            sample(torch.randn(1000), batch)
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    batch = SamplingBatch(temperature=[1.0], top_k=[0], top_p=[1.0], generators=[seeded_generator(7)])
+    small = sample(torch.randn(1, 1000), batch)
+    large = sample(torch.randn(1, sampling.ONE_THREAD_ENTRIES + 1), batch)
+    assert threads_seen == [1, 2] and torch.get_num_threads() == 2
+    assert small.shape == large.shape == (1,)
+    with pytest.raises(ValueError, match="rows, vocab"):
+        sample(torch.randn(1000), batch)
+    assert torch.get_num_threads() == 2
 
 
-def test_one_thread_sampling_draws_the_same_tokens_as_the_team(monkeypatch):
+def test_one_thread_sampling_draws_the_same_tokens_as_the_team(threads_seen, monkeypatch):
     """The switch changes no token: the same seeded draws on one thread and on the team."""
     import ttserve.worker.sampling as sampling
 
     logits = torch.randn(4, 5000)
-    tokens, seen = [], []
-    real_filtered = sampling._filtered_probs
-    monkeypatch.setattr(sampling, "_filtered_probs", lambda *a, **k: (seen.append(torch.get_num_threads()),
-                                                                      real_filtered(*a, **k))[1])
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for limit in (sampling.ONE_THREAD_ENTRIES, 0):  # one thread, then the team of 2
-            monkeypatch.setattr(sampling, "ONE_THREAD_ENTRIES", limit)
-            batch = SamplingBatch(temperature=[0.8] * 4, top_k=[50] * 4, top_p=[0.9] * 4,
-                                  generators=[seeded_generator(i) for i in range(4)])
-            tokens.append(sample(logits, batch))
-    finally:
-        torch.set_num_threads(before)
-    assert seen == [1, 2]
+    tokens = []
+    for limit in (sampling.ONE_THREAD_ENTRIES, 0):  # one thread, then the team of 2
+        monkeypatch.setattr(sampling, "ONE_THREAD_ENTRIES", limit)
+        batch = SamplingBatch(temperature=[0.8] * 4, top_k=[50] * 4, top_p=[0.9] * 4,
+                              generators=[seeded_generator(i) for i in range(4)])
+        tokens.append(sample(logits, batch))
+    assert threads_seen == [1, 2]
     assert torch.equal(tokens[0], tokens[1])
