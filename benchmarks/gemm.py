@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from weight_bound import weight_shapes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,31 +37,28 @@ def main() -> int:
     from ttserve.worker.planning.model_prepare import resolve_model
 
     config = json.loads((Path(resolve_model(args.model)) / "config.json").read_text())
-    layers = config["num_hidden_layers"]
     if args.quick:
-        layers, args.rows, args.repeats = 2, [1, 64], 2
+        config, args.rows, args.repeats = {**config, "num_hidden_layers": 2}, [1, 64], 2
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     probe = torch.zeros(64, 64, dtype=torch.bfloat16)
     why = bf16_gemm.kernel_unavailable() or cpu_kernels.gemm_unavailable(probe)
     if why:
         print(json.dumps({"skipped": why}))
         return 0
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or hidden // heads
     g = torch.Generator().manual_seed(0)
 
     def weight(out: int, width: int) -> torch.Tensor:
         return (torch.randn(out, width, generator=g) / width ** 0.5).to(torch.bfloat16)
 
+    shapes = weight_shapes(config)  # per layer q/k/v, o, gate, up, down; then the LM head
     ours, theirs, weight_bytes = [], [], 0
-    for _ in range(layers):
-        qkv, o = weight((heads + 2 * kv_heads) * head_dim, hidden), weight(hidden, heads * head_dim)
-        gate, up, down = weight(inter, hidden), weight(inter, hidden), weight(hidden, inter)
+    for layer in range(config["num_hidden_layers"]):
+        qkv, o, gate, up, down = (weight(*shape) for shape in shapes[5 * layer:5 * layer + 5])
         ours.append([bf16_gemm.GEMM(qkv), bf16_gemm.GEMM(o), bf16_gemm.GEMM.gated(gate, up), bf16_gemm.GEMM(down)])
         theirs.append([cpu_kernels.MatMul(w, None) for w in (qkv, o, gate, up, down)])
         weight_bytes += 2 * sum(w.numel() for w in (qkv, o, gate, up, down))
-    head = weight(config["vocab_size"], hidden)
+    head = weight(*shapes[-1])
+    hidden, attended_width = head.shape[1], ours[0][1].in_features
     ours_head, theirs_head = bf16_gemm.GEMM(head), cpu_kernels.MatMul(head, None)
     weight_bytes += 2 * head.numel()
 
@@ -82,7 +80,7 @@ def main() -> int:
     with torch.inference_mode():
         for rows in args.rows:
             x = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
-            attended = torch.randn(rows, heads * head_dim, generator=g).to(torch.bfloat16)
+            attended = torch.randn(rows, attended_width, generator=g).to(torch.bfloat16)
             best = {"ttserve": float("inf"), "onednn": float("inf")}
             for _ in range(args.repeats):
                 for name, run in (("ttserve", run_ours), ("onednn", run_theirs)):

@@ -37,6 +37,8 @@ Activation = Literal["silu", "gelu_tanh"]
 _EPILOGUES = {None: 0, "silu": 1, "gelu_tanh": 2}
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 
+NO_AVX512_BF16 = "this CPU has no AVX512-BF16 (the kernel's only path)"
+
 _kernel: ctypes._CFuncPtr | None = None
 _why: str | None = None  # None: not tried; "": loaded; else why not
 
@@ -47,13 +49,13 @@ def _load() -> str:
     if _why is not None:
         return _why
     if not torch.cpu._is_avx512_bf16_supported():  # no compile where it could only refuse
-        _why = "this CPU has no AVX512-BF16 (the kernel's only path)"
+        _why = NO_AVX512_BF16
         return _why
     library = native_build.load(SOURCE)
     if isinstance(library, str):
         _why = library
     elif library.ttserve_bf16_gemm_vector_bits() != 512:
-        _why = "this CPU has no AVX512-BF16 (the kernel's only path)"
+        _why = NO_AVX512_BF16
     elif library.ttserve_bf16_gemm_tile() != TILE:
         _why = f"{SOURCE.name} packs tiles of {library.ttserve_bf16_gemm_tile()} outputs, this module {TILE}"
     else:
