@@ -301,3 +301,76 @@ def test_one_thread_sampling_draws_the_same_tokens_as_the_team(threads_seen, mon
         tokens.append(sample(logits, batch))
     assert threads_seen == [1, 2]
     assert torch.equal(tokens[0], tokens[1])
+
+
+def _reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                     min_p: float = 0.0) -> torch.Tensor:
+    """The filters as their definitions read, one row at a time with a full sort: the oracle for
+    _filtered_probs' in-place, topk-first form (float32, as the model's logits: the same
+    underflows to 0)."""
+    probs = (logits / temperature).softmax(-1)
+    if min_p > 0:
+        probs[probs < probs.max() * min_p] = 0.0
+    if 0 < top_k < probs.numel():
+        probs[probs < probs.sort(descending=True).values[top_k - 1]] = 0.0
+    probs /= probs.sum()
+    if top_p < 1:
+        ranked = probs.sort(descending=True).values
+        past = (ranked.cumsum(-1) > top_p).nonzero()
+        if past.numel():
+            probs[probs < ranked[past[0, 0]]] = 0.0
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("vocab", [50, 1000, 49_152, 151_936])
+def test_two_level_inverse_cdf_picks_the_token_a_whole_cumulative_sum_picks(vocab):
+    """_inverse_cdf_rows (block sums, then one block) against the definition: the first token
+    whose float64 cumulative probability exceeds u * total; sparse rows (a top-p's survivors)
+    included. A u at the very top of [0, 1) lands on a token of non-zero probability: the last one
+    (or, where float32 block sums round a tail of ~1e-12 away, one just before it)."""
+    from ttserve.worker.sampling import _inverse_cdf_rows
+
+    generator = torch.Generator().manual_seed(vocab)
+    probs = (torch.randn(16, vocab, generator=generator) * 4).softmax(-1)
+    probs[8:][probs[8:] < probs[8:].amax(-1, keepdim=True) * 1e-2] = 0.0
+    for _ in range(50):
+        u = torch.rand(16, dtype=torch.float64, generator=generator)
+        cdf = probs.cumsum(-1, dtype=torch.float64)
+        expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        assert torch.equal(_inverse_cdf_rows(probs, u), expected)
+    top = _inverse_cdf_rows(probs, torch.full((16,), 1.0 - 2 ** -53, dtype=torch.float64))
+    last_nonzero = vocab - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    assert bool((probs.gather(1, top[:, None]) > 0).all())
+    assert bool((top <= last_nonzero).all() and (top >= last_nonzero - 16).all())
+    assert torch.equal(top[8:], last_nonzero[8:])  # sparse rows: their tail is not tiny
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), temperature=st.floats(0.2, 3.0), top_k=st.sampled_from([0, 1, 5, 50, 3000]),
+       top_p=st.sampled_from([0.05, 0.5, 0.9, 0.99, 1.0]), min_p=st.sampled_from([0.0, 0.05]),
+       scale=st.sampled_from([0.3, 3.0, 12.0]))
+def test_filtered_probs_match_the_filters_definitions(seed, temperature, top_k, top_p, min_p, scale):
+    """The in-place, topk-first filters keep the same tokens with the same probabilities as the
+    full-sort definitions, over a 5,000-token vocabulary: peaked rows (the nucleus among the first
+    candidates), flat ones (top-p must rank past TOP_P_CANDIDATES' widest) and bfloat16 logits'
+    ties; rows of one batch differ in every parameter."""
+    from ttserve.worker.sampling import _filtered_probs
+
+    logits = (torch.randn(4, 5000, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16().float()
+    rows = [(temperature, top_k, top_p, min_p), (1.0, 0, 1.0, 0.0), (temperature, 0, top_p, 0.0),
+            (0.7, top_k, 1.0, min_p)]
+    got = _filtered_probs(logits, torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+                          torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows]))
+    for i, row in enumerate(rows):
+        expected = _reference_probs(logits[i], *row)
+        assert torch.equal(got[i] > 0, expected > 0), (i, row)
+        assert torch.allclose(got[i], expected, atol=1e-6, rtol=1e-4), (i, row)
+
+
+def test_top_p_keeps_every_token_tied_at_its_threshold():
+    """Tokens as likely as the last one the nucleus needs are all kept, not a sort's pick."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, -3.0]])
+    from ttserve.worker.sampling import _filtered_probs
+
+    kept = _filtered_probs(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0.6]))[0]
+    assert (kept > 0).tolist() == [True, True, True, True, False]
