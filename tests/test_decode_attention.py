@@ -239,11 +239,15 @@ def test_the_off_switch_leaves_every_step_to_vllms_kernel():
     assert _why_in_subprocess({"TTSERVE_DECODE_ATTENTION": "vllm"}) == "TTSERVE_DECODE_ATTENTION=vllm"
 
 
-def test_smollm2_decodes_a_prompt_alike_on_either_kernel(smollm2):
+def test_smollm2_decodes_a_prompt_alike_on_either_kernel(smollm2, monkeypatch):
     """Eight rows continuing a real prompt, each decode step's attention on ttserve's kernel and
     on vLLM's, fed the same tokens: logits as close as vLLM's kernel is to itself in its other
     mode, and the same greedy token wherever the top two logits are not a near tie (rounding
-    decides those, as between any two kernels)."""
+    decides those, as between any two kernels). Operator by operator: decode_step.c (which calls
+    the kernel from C) has its own test."""
+    from ttserve.worker.backends.torch.models import decode_step
+
+    monkeypatch.setattr(decode_step.DecodeStep, "build", staticmethod(lambda *_: "the operators under test"))
     if kernel_here():
         pytest.skip(kernel_here())
     if 8 * 3 < 2 * torch.get_num_threads():

@@ -55,6 +55,7 @@ from ttserve.worker.sampling import SamplingBatch, sample
 
 from . import bf16_gemm, cpu_kernels, decode_attention, paged_kv
 from .decode_graph import DecodeGraph
+from .decode_step import DecodeStep
 from .linear import BatchInvarianceError, Linear, SwiGLU, rows_invariant
 from .paged_kv import KVCache
 
@@ -305,6 +306,8 @@ class TorchLlamaForCausalLM:
         self._decode_graph: DecodeGraph | None = None
         self.kernel_isa = ""  # set by allocate_kv_cache when the CPU kernels serve this model
         self.own_decode_attention = False  # and whether decode steps may run ttserve's kernel there
+        # decode_step.c per lane's cache (by its first key view's address), or why not; per allocation.
+        self._decode_steps: dict[int, DecodeStep | str] = {}
 
     @classmethod
     def initialize_vllm_model(cls, hf_config: Any, mesh_device: torch.device, max_batch_size: int,
@@ -400,6 +403,7 @@ class TorchLlamaForCausalLM:
         views of one storage per lane: vLLM CPU's layout when its kernels serve the model
         (cpu_kernels.allocate), else worker/backends/torch/models/paged_kv.py's."""
         blocks, kv_heads, block_size, head_dim = self._check_kv_shape(kv_cache_shape, num_layers)
+        self._decode_steps = {}
         why = (f"the KV cache's {dtype} is not the model's {self.dtype}" if dtype != self.dtype else
                f"{type(self).__name__}: {self.no_cpu_kernels_reason}" if not self.allows_cpu_kernels
                else cpu_kernels.unavailable(self.device, dtype, block_size, head_dim, self.shape.sliding_window))
@@ -769,6 +773,11 @@ class TorchLlamaForCausalLM:
         eps = self.shape.rms_norm_eps
         residual = F.embedding(step.tokens, self.embed)
         h = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
+        fused = self._decode_step(step, kv_cache)
+        if fused is not None:
+            ((_, attention),) = step.lanes
+            fused(h, residual, step.positions, attention.slots, attention.block_table, attention.seq_lens)
+            return self.lm_head(h[step.last]).float()
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             a = self._attention_packed(layer, h, step, kv_cache, i)
@@ -776,6 +785,27 @@ class TorchLlamaForCausalLM:
             h = layer.mlp(a)
             cpu_kernels.add_rms_norm(h, residual, next_norm, eps)
         return self.lm_head(h[step.last]).float()
+
+    def _decode_step(self, step: _Packed, kv_cache: KVCache) -> DecodeStep | None:
+        """decode_step.c for this step when it is a decode step (one token a row) of one lane
+        and the layers and cache allow it (decided once per lane's cache, the refusal logged)."""
+        if len(step.lanes) != 1:
+            return None
+        lane, attention = step.lanes[0]
+        if attention.stop - attention.start != len(attention.seq_lens):
+            return None
+        caches = kv_cache[lane]
+        key = caches[0][0].data_ptr()
+        if key not in self._decode_steps:
+            s = self.shape
+            built = DecodeStep.build(self.layers, [tuple(c) for c in caches], self.final_norm, self._cos_sin,
+                                     s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.sliding_window,
+                                     self.own_decode_attention)
+            log.info("decode steps' layers: %s", "one call (decode_step.c)" if isinstance(built, DecodeStep)
+                     else f"operator by operator ({built})")
+            self._decode_steps[key] = built
+        built = self._decode_steps[key]
+        return built if isinstance(built, DecodeStep) else None
 
     def _attention_packed(self, layer: _Layer, h: torch.Tensor, step: _Packed, kv_cache: KVCache,
                           index: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""ttserve's C kernels (decode_attention.c, bf16_gemm.c), built on the host that runs them and
-loaded beside torch.
+"""ttserve's C kernels (decode_attention.c, bf16_gemm.c, decode_step.c), built on the host that runs
+them and loaded beside torch.
 
 Each source is compiled once per source text, compiler (and version), flags and CPU with the C
 compiler (CC, else cc) as `-O3 -march=native -ffast-math -fopenmp` into kernels/ of ttserve's
@@ -58,13 +58,24 @@ def _compiler() -> list[str]:
     return shlex.split(os.environ.get("CC") or "cc")
 
 
+def _source_text(source: Path) -> bytes:
+    """The source and every file it includes by a quoted name, recursively (decode_step.c includes
+    the two kernels): what the cached library was compiled from."""
+    text = source.read_bytes()
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) == 2 and words[0] == b"#include" and words[1].startswith(b'"'):
+            text += _source_text(source.with_name(words[1].strip(b'"').decode()))
+    return text
+
+
 def _build(source: Path) -> Path:
     """The shared library for this source, compiler (and its version) and CPU, built if it is
     not cached; raises OSError (CacheUnusable for the folder) or CalledProcessError when it
     cannot be."""
     compiler = _compiler()
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True)
-    key = hashlib.sha256(source.read_bytes() + repr((compiler, version.stdout.splitlines()[:1], COMPILE_FLAGS,
+    key = hashlib.sha256(_source_text(source) + repr((compiler, version.stdout.splitlines()[:1], COMPILE_FLAGS,
                                                     LINK_FLAGS)).encode() + _cpu_identity().encode())
     folder = _cache_dir()
     library = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -1,0 +1,136 @@
+"""A decode step's decoder layers in one C call (decode_step.c), for a Llama-family model whose
+GEMMs are ttserve's (bf16_gemm.py) and whose decode attention is ttserve's (decode_attention.py).
+
+Why: at one row, a decode step's GEMMs read the weights in ~9-10 ms on the 2-core EPYC, and the
+step took ~13.4-15.7 ms: the rest was ~10 operator calls per layer (300 a step), each a Python
+frame, a dispatcher hop or a ctypes conversion costing 5-20 us around a kernel of a few us. Here
+the layers are one call; the embedding, the first norm, the LM head and sampling stay in torch.
+
+Where: llama.py decides once per KV cache (`DecodeStep.build` says why not, and the per-operator
+path serves): bfloat16, every GEMM ttserve's, a gated silu MLP, no q/k norms, no sliding window,
+ttserve's decode attention on this cache, RoPE from the model's neox table. Per step: a decode
+step (one token a row) of one lane. TTSERVE_DECODE_STEP=layers turns it off (an A/B switch).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from . import bf16_gemm, native_build
+
+SOURCE = Path(__file__).with_name("decode_step.c")
+OFF_SWITCH = "TTSERVE_DECODE_STEP"  # layers: the per-operator path
+_I, _P = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I,
+             ctypes.c_float, ctypes.c_float]
+
+_kernel: ctypes._CFuncPtr | None = None
+_fields = 0
+_why: str | None = None  # None: not tried; "": loaded; else why not
+
+
+def _load() -> str:
+    """Builds and loads decode_step.c once per process; "" when it serves, else why not."""
+    global _kernel, _fields, _why
+    if _why is not None:
+        return _why
+    if os.environ.get(OFF_SWITCH, "").lower() == "layers":
+        _why = f"{OFF_SWITCH}=layers"
+        return _why
+    _why = bf16_gemm.kernel_unavailable()  # the GEMM it calls: AVX512-BF16, checked before any compile
+    if _why:
+        return _why
+    library = native_build.load(SOURCE)
+    if isinstance(library, str):
+        _why = library
+        return _why
+    kernel = library.ttserve_decode_step
+    kernel.argtypes = _ARGTYPES
+    kernel.restype = None
+    _kernel, _fields, _why = kernel, library.ttserve_decode_step_fields(), ""
+    return _why
+
+
+class DecodeStep:
+    """One model's decoder layers over one lane's KV cache, as decode_step.c reads them: a table
+    of the packed weights', norms' and cache views' addresses, made once (the tensors are the
+    model's and the cache's, alive as long as they are)."""
+
+    __slots__ = ("table", "num_heads", "kv_heads", "head_dim", "hidden", "intermediate", "gate_up_width",
+                 "block_size", "block_stride", "head_stride", "eps", "cos_sin", "keep")
+
+    def __init__(self, layers: Sequence, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 final_norm: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int,
+                 eps: float) -> None:
+        """layers: llama.py's _Layer list (build() checked them); caches: the lane's [K, V] per
+        layer, vLLM CPU's views [blocks, kv_heads, block_size, head_dim]."""
+        norms = [layer.input_norm for layer in layers[1:]] + [final_norm]
+        rows = []
+        for layer, next_norm, (keys, values) in zip(layers, norms, caches):
+            qkv, o, gate_up, down = layer.qkv.weight, layer.o.weight, layer.mlp.gate_up, layer.mlp.down.weight
+            rows.append([qkv.packed.data_ptr(), 0 if qkv.bias is None else qkv.bias.data_ptr(),
+                         o.packed.data_ptr(), 0 if o.bias is None else o.bias.data_ptr(),
+                         gate_up.packed.data_ptr(), down.packed.data_ptr(),
+                         layer.post_norm.data_ptr(), next_norm.data_ptr(), keys.data_ptr(), values.data_ptr()])
+        self.table = torch.tensor(rows, dtype=torch.int64)
+        first_keys = caches[0][0]
+        self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
+        self.hidden = layers[0].qkv.weight.in_features
+        self.intermediate = layers[0].mlp.gate_up.out_features
+        self.gate_up_width = layers[0].mlp.gate_up.packed.shape[0] * bf16_gemm.TILE
+        self.block_size = first_keys.shape[2]
+        self.block_stride, self.head_stride = first_keys.stride(0), first_keys.stride(1)
+        self.eps = eps
+        self.cos_sin = cos_sin.contiguous()
+        # Every tensor whose address the table holds, kept alive with it.
+        self.keep = (layers, caches, final_norm)
+
+    @staticmethod
+    def build(layers: Sequence, caches: Sequence[tuple[torch.Tensor, torch.Tensor]], final_norm: torch.Tensor,
+              cos_sin: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, eps: float,
+              sliding_window: int | None, own_decode_attention: bool) -> DecodeStep | str:
+        """The step for these layers and this lane's cache, or why decode_step.c cannot run them."""
+        why = _load()
+        if why:
+            return why
+        if not own_decode_attention:
+            return "ttserve's decode attention does not serve this cache"
+        if sliding_window is not None:
+            return "sliding-window attention (decode_step.c attends to the whole context)"
+        if cos_sin.dtype != torch.bfloat16 or final_norm.dtype != torch.bfloat16:
+            return f"it computes bfloat16, not {cos_sin.dtype}"
+        for layer in layers:
+            if layer.q_norm is not None or layer.k_norm is not None:
+                return "q/k norms before RoPE (Qwen3)"
+            if not (layer.qkv.kind == layer.o.kind == layer.mlp.down.kind == "ttserve"
+                    and layer.mlp.gate_up is not None and getattr(layer.mlp.gate_up, "is_gated", False)):
+                return "a GEMM that is not ttserve's (bf16_gemm.py), or an MLP without its gated GEMM"
+        if len(caches) != len(layers) or any(k.stride() != caches[0][0].stride() or v.stride() != k.stride()
+                                             for k, v in caches):
+            return "a KV cache whose layers' views differ in layout"
+        return DecodeStep(layers, caches, final_norm, cos_sin, num_heads, kv_heads, head_dim, eps)
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Runs every layer, in place: h [rows, hidden] layer 0's normed input -> the final norm's
+        output; residual [rows, hidden] the embeddings -> the residual stream. positions, slots
+        [rows] int64; block_table [rows, width] and seq_lens [rows] int32, contiguous (one lane's
+        cpu_kernels.Attention plan: seq_lens counts this step's token)."""
+        rows = h.shape[0]
+        assert h.is_contiguous() and residual.is_contiguous() and h.shape == residual.shape == (rows, self.hidden)
+        assert positions.dtype == slots.dtype == torch.int64 and block_table.dtype == seq_lens.dtype == torch.int32
+        assert block_table.is_contiguous() and seq_lens.is_contiguous() and len(seq_lens) == rows
+        q_width = self.num_heads * self.head_dim
+        qkv_width = q_width + 2 * self.kv_heads * self.head_dim
+        scratch = torch.empty(rows * (qkv_width + q_width + self.hidden + self.intermediate), dtype=torch.bfloat16)
+        positions, slots = positions.contiguous(), slots.contiguous()
+        _kernel(self.table.data_ptr(), self.table.shape[0], h.data_ptr(), residual.data_ptr(), scratch.data_ptr(),
+                rows, self.hidden, self.num_heads, self.kv_heads, self.head_dim, self.intermediate,
+                self.gate_up_width, positions.data_ptr(), slots.data_ptr(), block_table.data_ptr(),
+                block_table.shape[1], seq_lens.data_ptr(), self.cos_sin.data_ptr(), self.block_size,
+                self.block_stride, self.head_stride, self.eps, 1.0 / self.head_dim ** 0.5)
+
