@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and whenever the file changes: workers listed join while serving, workers "
                         "no longer listed are drained (their requests move to the others) and dropped")
     g.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once, per lane")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="prefill tokens per step; longer prompts are prefilled in chunks")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prefill tokens per step; longer prompts are prefilled in chunks (default: 1024 "
+                        "for a worker computing on a CPU, 2048 otherwise)")
     g.add_argument("--max-model-len", type=int, default=0,
                    help="longest sequence (prompt + output); default (0) the model's own limit, "
                         "lowered with a warning to what one lane's KV cache holds; -1: fit one "
@@ -143,7 +144,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.max_model_len < -1:
         raise ConfigError(f"--max-model-len must be a token count, 0 (the model's own limit) or -1 (fit "
                           f"to the KV cache), got {args.max_model_len}")
-    if args.max_num_batched_tokens < 1:
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         raise ConfigError(f"--max-num-batched-tokens must be positive, got {args.max_num_batched_tokens}")
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be a positive number of lanes per worker, "
@@ -182,7 +183,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(str(e)) from None
     return EngineConfig(workers=workers, workers_file=args.workers_file or "", tls=tls, max_num_seqs=args.max_num_seqs,
                         data_parallel_size=args.data_parallel_size,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_batched_tokens=args.max_num_batched_tokens or 0,
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling,

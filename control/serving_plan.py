@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ttserve.batched_tokens import default_batched_tokens
+
 from .engine_config import EngineConfig
 from .scheduler import SchedulerConfig
 from .speculation import SpeculativeConfig
@@ -90,7 +92,7 @@ def plan_warmup(config: EngineConfig, d: WorkerDescription, num_workers: int) ->
             f"--max-model-len {max_model_len} exceeds the model's limit of "
             f"{d.max_position_embeddings} tokens (max_position_embeddings of {d.model_path})")
     notes = []
-    batched = config.max_num_batched_tokens
+    batched = config.max_num_batched_tokens or default_batched_tokens(d.backend, d.device)
     if not d.supports_chunked_prefill and batched < max_model_len:
         # Whole prompts only: a smaller budget would leave long prompts waiting forever.
         notes.append(Note(logging.WARNING, "the model cannot chunk prefills: raising max_num_batched_tokens "

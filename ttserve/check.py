@@ -50,10 +50,14 @@ def check(argv: list[str], out: TextIO | None = None) -> int:
                                 up_args.control_metrics_port, up_args.worker_metrics_port) if p)
     problems += [(True, f"port {port} is given to {n} services") for port, n in ports.items() if n > 1]
 
+    from ttserve.batched_tokens import default_batched_tokens
+
     serving = Serving(data_parallel_size=control.data_parallel_size, max_num_seqs=control.max_num_seqs,
                       max_model_len=max(control.max_model_len, 0), enable_prefix_caching=control.enable_prefix_caching,
-                      max_num_batched_tokens=control.max_num_batched_tokens)
+                      max_num_batched_tokens=control.max_num_batched_tokens or 0)
     plan = plan_worker(worker, serving=serving, need_hardware=False)
+    # What the control plane will ask for: the flag, else its default for the worker's device.
+    batched = control.max_num_batched_tokens or default_batched_tokens(plan.backend, worker.device)
     problems += [(p.fatal, f"worker: {p.text}") for p in plan.problems]
     if plan.model_path is not None:
         described = _description(plan, config.workers[0].address if config and config.workers else "")
@@ -61,7 +65,7 @@ def check(argv: list[str], out: TextIO | None = None) -> int:
         problems += judged
         plan.lines.append(_speculation_line(config, described))
         # The longest chunk the scheduler plans (serving_plan: at least a block).
-        chunk = max(control.max_num_batched_tokens, plan.block_size)
+        chunk = max(batched, plan.block_size)
         plan.lines += _kv_budget_lines(described, max_model_len, chunk, control.max_num_seqs)
         problems += [(True, f"gateway: {p}") for p in _gateway_problems(gateway, str(plan.model_path), max_model_len)]
 

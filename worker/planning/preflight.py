@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ttserve.batched_tokens import default_batched_tokens
+
 from ..backends.ttnn.tt_models import (CheckpointEnvironment, ModelFamily, capability_problem, checkpoint_environment,
                                        data_parallel_problem, device_top_k, folds_dp_into_lanes, image_input_problem,
                                        kv_budget, max_model_len_problem, optimizations_problem, tt_data_parallel)
@@ -37,7 +39,7 @@ class Serving:
     max_num_seqs: int = 32
     max_model_len: int = 0          # 0: the model's own limit
     enable_prefix_caching: bool = False
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 0  # 0: the default for the device (ttserve/batched_tokens.py)
 
 
 @dataclass
@@ -260,7 +262,8 @@ def _plan_torch_kv(plan: WorkerPlan, args: argparse.Namespace, serving: Serving)
     max_model_len = serving.max_model_len or runner.max_position_embeddings
     try:
         layout = runner.kv_layout(ServingConfig(serving.data_parallel_size, serving.max_num_seqs, max_model_len,
-                                                serving.max_num_batched_tokens))
+                                                serving.max_num_batched_tokens
+                                                or default_batched_tokens("torch", str(device))))
     except ValueError as e:
         plan.refuse(str(e))
         return
