@@ -59,10 +59,9 @@ def _load() -> str:
     elif library.ttserve_bf16_gemm_tile() != TILE:
         _why = f"{SOURCE.name} packs tiles of {library.ttserve_bf16_gemm_tile()} outputs, this module {TILE}"
     else:
-        kernel = library.ttserve_bf16_gemm
-        kernel.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
-        kernel.restype = None
-        _kernel, _why = kernel, ""
+        _kernel = native_build.void_function(library, "ttserve_bf16_gemm", [_P, _I, _P, _P, _P, _I, _I, _I, _I,
+                                                                            ctypes.c_int])
+        _why = ""
     return _why
 
 

@@ -21,7 +21,6 @@ turns it off (an A/B switch for benchmarks).
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -45,10 +44,7 @@ def _load() -> str:
     global _kernel, _limits, _why
     if _why is not None:
         return _why
-    if os.environ.get(OFF_SWITCH, "").lower() == "vllm":
-        _why = f"{OFF_SWITCH}=vllm"
-        return _why
-    library = native_build.load(SOURCE)
+    library = native_build.switched_off(OFF_SWITCH, "vllm") or native_build.load(SOURCE)
     if isinstance(library, str):
         _why = library
         return _why
@@ -58,10 +54,7 @@ def _load() -> str:
     limits = [ctypes.c_int64() for _ in range(3)]
     library.ttserve_decode_attention_limits(*[ctypes.byref(x) for x in limits])
     _limits = tuple(x.value for x in limits)
-    kernel = library.ttserve_decode_attention
-    kernel.argtypes = _ARGTYPES
-    kernel.restype = None
-    _kernel = kernel
+    _kernel = native_build.void_function(library, "ttserve_decode_attention", _ARGTYPES)
     _why = ""
     return _why
 

@@ -14,7 +14,6 @@ step (one token a row) of one lane. TTSERVE_DECODE_STEP=layers turns it off (an 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,20 +37,14 @@ def _load() -> str:
     global _kernel, _fields, _why
     if _why is not None:
         return _why
-    if os.environ.get(OFF_SWITCH, "").lower() == "layers":
-        _why = f"{OFF_SWITCH}=layers"
-        return _why
-    _why = bf16_gemm.kernel_unavailable()  # the GEMM it calls: AVX512-BF16, checked before any compile
-    if _why:
-        return _why
-    library = native_build.load(SOURCE)
+    # The GEMM it calls needs AVX512-BF16: checked before any compile.
+    library = (native_build.switched_off(OFF_SWITCH, "layers") or bf16_gemm.kernel_unavailable()
+               or native_build.load(SOURCE))
     if isinstance(library, str):
         _why = library
         return _why
-    kernel = library.ttserve_decode_step
-    kernel.argtypes = _ARGTYPES
-    kernel.restype = None
-    _kernel, _fields, _why = kernel, library.ttserve_decode_step_fields(), ""
+    _kernel = native_build.void_function(library, "ttserve_decode_step", _ARGTYPES)
+    _fields, _why = library.ttserve_decode_step_fields(), ""
     return _why
 
 

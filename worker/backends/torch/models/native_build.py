@@ -114,6 +114,19 @@ def _gomp_libraries() -> set[str]:
             if "libgomp" in line and line.split()[-1].startswith("/")}
 
 
+def switched_off(switch: str, value: str) -> str:
+    """Why a kernel stays off: "SWITCH=value" when the environment says so, else ""."""
+    return f"{switch}={value}" if os.environ.get(switch, "").lower() == value else ""
+
+
+def void_function(library: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+    """The C function `name` of `library`, which returns nothing, with its argument types."""
+    function = getattr(library, name)
+    function.argtypes = argtypes
+    function.restype = None
+    return function
+
+
 def load(source: Path) -> "ctypes.CDLL | str":
     """The built library of `source`, once per process; else why it cannot serve here."""
     if source in _loaded:
