@@ -16,7 +16,7 @@ class EngineConfig:
     workers: tuple[WorkerSpec, ...]   # at start-up; --workers-file may change the set later
     workers_file: str = ""            # re-read on SIGHUP and when it changes ("" = none)
     max_num_seqs: int = 32            # per lane
-    max_num_batched_tokens: int = 0   # 0: the worker's device's default (serving_plan.default_batched_tokens)
+    max_num_batched_tokens: int = 0   # 0: the worker's device's default (ttserve/batched_tokens.py)
     max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity; -1 = a lane's KV
     data_parallel_size: int = 1       # lanes per worker
     enable_prefix_caching: bool = False

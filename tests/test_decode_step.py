@@ -115,3 +115,20 @@ def test_the_off_switch_keeps_every_step_on_the_operators(monkeypatch):
     monkeypatch.setattr(decode_step, "_kernel", None)
     monkeypatch.setenv(decode_step.OFF_SWITCH, "layers")
     assert decode_step._load() == "TTSERVE_DECODE_STEP=layers"
+
+
+def test_steps_that_are_not_one_token_a_row_for_every_thread_take_the_operators(smollm2, monkeypatch):
+    """Two tokens over two rows (one row empty, one of two tokens) are not a decode step; nor is
+    one row when more threads than its KV heads would idle in ttserve's attention."""
+    model, kv, table = _model(smollm2, 2, monkeypatch)
+    two = model._pack(torch.tensor([[7, 8], [9, 10]]), torch.tensor([5, 5]), torch.tensor([5, 7]), table, [0, 0], kv)
+    assert model._decode_step(two, kv) is None
+    one = model._pack(torch.tensor([[7]]), torch.tensor([5]), torch.tensor([6]), table[:1], [0], kv)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(model.shape.num_kv_heads)
+        assert isinstance(model._decode_step(one, kv), decode_step.DecodeStep)
+        torch.set_num_threads(model.shape.num_kv_heads + 1)
+        assert model._decode_step(one, kv) is None
+    finally:
+        torch.set_num_threads(before)

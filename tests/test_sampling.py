@@ -374,3 +374,16 @@ def test_top_p_keeps_every_token_tied_at_its_threshold():
 
     kept = _filtered_probs(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0.6]))[0]
     assert (kept > 0).tolist() == [True, True, True, True, False]
+
+
+def test_a_draw_at_the_top_of_an_unnormalised_row_never_lands_on_a_zero_probability_token():
+    """u * total can round up to the total itself; the draw stays on the last token with mass,
+    not in the empty blocks after it."""
+    from ttserve.worker.sampling import _inverse_cdf_rows
+
+    probs = torch.zeros(64, 1024)
+    generator = torch.Generator().manual_seed(3)
+    probs[:, :300] = torch.rand(64, 300, generator=generator) * torch.rand(64, 1, generator=generator)
+    top = torch.full((64,), 1.0 - 2 ** -53, dtype=torch.float64)
+    picked = _inverse_cdf_rows(probs, top)
+    assert bool((probs.gather(1, picked[:, None]) > 0).all())

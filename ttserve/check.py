@@ -57,10 +57,11 @@ def check(argv: list[str], out: TextIO | None = None) -> int:
                       max_num_batched_tokens=control.max_num_batched_tokens or 0)
     plan = plan_worker(worker, serving=serving, need_hardware=False)
     # What the control plane will ask for: the flag, else its default for the worker's device.
-    batched = control.max_num_batched_tokens or default_batched_tokens(plan.backend, worker.device)
+    batched = control.max_num_batched_tokens or default_batched_tokens(plan.backend, str(worker.device))
     problems += [(p.fatal, f"worker: {p.text}") for p in plan.problems]
     if plan.model_path is not None:
-        described = _description(plan, config.workers[0].address if config and config.workers else "")
+        described = _description(plan, config.workers[0].address if config and config.workers else "",
+                                 str(worker.device) if plan.backend == "torch" else "")
         max_model_len, judged = _serving_problems(config, described)
         problems += judged
         plan.lines.append(_speculation_line(config, described))
@@ -83,9 +84,9 @@ def check(argv: list[str], out: TextIO | None = None) -> int:
     return 0
 
 
-def _description(plan: WorkerPlan, address: str) -> WorkerDescription:
+def _description(plan: WorkerPlan, address: str, device: str) -> WorkerDescription:
     """The worker as it would describe itself before warmup (worker/server.py's Describe), made
-    from its plan: what the control plane's serving plan reads."""
+    from its plan (`device`: a torch worker's, "" else): what the control plane's serving plan reads."""
     from ttserve.control.wire import WorkerDescription
     from ttserve.worker.planning.registry import mixture_of_experts
 
@@ -94,7 +95,7 @@ def _description(plan: WorkerPlan, address: str) -> WorkerDescription:
     caps = dict(getattr(plan.model_cls, "model_capabilities", None) or {}) if known else {}
     architectures = config.get("architectures") or [""]
     return WorkerDescription(
-        address=address or "(the worker)", backend=plan.backend, device="", model_path=str(plan.model_path),
+        address=address or "(the worker)", backend=plan.backend, device=device, model_path=str(plan.model_path),
         architecture=plan.architecture or architectures[0], vocab_size=int(config.get("vocab_size") or 0),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)), eos_token_ids=[],
         # A class not importable here is not judged on what it declares (as the worker's plan).

@@ -220,7 +220,9 @@ def _inverse_cdf_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     blocks = probs.shape[1] // block
     cdf = probs.reshape(n, blocks, block).sum(-1).double().cumsum_(-1)
     target = u.unsqueeze(-1) * cdf[:, -1:]
-    chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=blocks - 1)
+    # Never past the last block holding mass (a target rounding up to the total would land there).
+    last_block = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)
+    chosen = torch.minimum(torch.searchsorted(cdf, target, right=True), last_block)
     base = torch.where(chosen > 0, cdf.gather(1, (chosen - 1).clamp(min=0)), 0.0)
     local = probs.gather(1, chosen * block + torch.arange(block, device=probs.device)).cumsum(-1, dtype=torch.float64)
     within = torch.searchsorted(local, target - base, right=True)
@@ -326,14 +328,11 @@ def _rejection_sample(probs: torch.Tensor, drafts: Sequence[int], generator: tor
 
 def _inverse_cdf(probs: torch.Tensor, u: float, fallback: int | None = None) -> int:
     """The token of [V] probabilities (not necessarily normalised) that uniform u in [0, 1) picks,
-    as `sample` picks it: where the cumulative sum first exceeds u times the total. `fallback`
-    when nothing is left (a residual whose rounding took all the mass: the draft was certain)."""
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    total = float(cdf[-1])
-    if total <= 0.0 and fallback is not None:
+    as `sample` picks it (_inverse_cdf_rows). `fallback` when nothing is left (a residual whose
+    rounding took all the mass: the draft was certain)."""
+    if fallback is not None and float(probs.sum()) <= 0.0:
         return fallback
-    at = torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True)
-    return int(at.clamp_(max=probs.shape[-1] - 1))
+    return int(_inverse_cdf_rows(probs[None], torch.tensor([u], dtype=torch.float64, device=probs.device))[0])
 
 
 def verify_logprobs(logits: torch.Tensor, drafts: Sequence[Sequence[int]], accepted: Sequence[int],

@@ -11,7 +11,8 @@
  * epilogue and its down GEMM; the residual add and the next layer's (or the final) RMSNorm.
  *
  * Numerics are the bits of the operators it replaces, mirrored from vLLM CPU's source
- * (csrc/cpu/pos_encoding.cpp and layernorm.cpp, vLLM 0.32) as GCC compiles it: float32 inside
+ * (csrc/cpu/pos_encoding.cpp and layernorm.cpp, vLLM 0.32) as GCC compiles it (clang ignores the
+ * optimize attributes below: the same results to rounding, not to the bit): float32 inside
  * every op, bfloat16 between them (rounded to nearest even), a product added to a sum contracted
  * to one FMA, no other reassociation (those two functions are built without -ffast-math). RoPE:
  * x1 cos - x2 sin and x2 cos + x1 sin from bfloat16 cos and sin. Add-and-RMSNorm: the residual

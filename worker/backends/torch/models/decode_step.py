@@ -70,6 +70,7 @@ class DecodeStep:
                          gate_up.packed.data_ptr(), down.packed.data_ptr(),
                          layer.post_norm.data_ptr(), next_norm.data_ptr(), keys.data_ptr(), values.data_ptr()])
         self.table = torch.tensor(rows, dtype=torch.int64)
+        assert self.table.shape[1] == _fields, f"decode_step.c reads {_fields} fields a layer"
         first_keys = caches[0][0]
         self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.hidden = layers[0].qkv.weight.in_features
@@ -103,8 +104,10 @@ class DecodeStep:
                     and layer.mlp.gate_up is not None and getattr(layer.mlp.gate_up, "is_gated", False)):
                 return "a GEMM that is not ttserve's (bf16_gemm.py), or an MLP without its gated GEMM"
         if len(caches) != len(layers) or any(k.stride() != caches[0][0].stride() or v.stride() != k.stride()
-                                             for k, v in caches):
+                                             or k.stride(3) != 1 for k, v in caches):
             return "a KV cache whose layers' views differ in layout"
+        if layers[0].qkv.weight.in_features % 8:
+            return "a hidden size that is not a multiple of 8 (the norms' vectors)"
         return DecodeStep(layers, caches, final_norm, cos_sin, num_heads, kv_heads, head_dim, eps)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -114,9 +117,13 @@ class DecodeStep:
         [rows] int64; block_table [rows, width] and seq_lens [rows] int32, contiguous (one lane's
         cpu_kernels.Attention plan: seq_lens counts this step's token)."""
         rows = h.shape[0]
-        assert h.is_contiguous() and residual.is_contiguous() and h.shape == residual.shape == (rows, self.hidden)
-        assert positions.dtype == slots.dtype == torch.int64 and block_table.dtype == seq_lens.dtype == torch.int32
-        assert block_table.is_contiguous() and seq_lens.is_contiguous() and len(seq_lens) == rows
+        # What the C code trusts (it writes through these addresses), about a microsecond a step.
+        if not (h.is_contiguous() and residual.is_contiguous() and h.shape == residual.shape == (rows, self.hidden)
+                and h.dtype == residual.dtype == torch.bfloat16 and len(positions) == len(slots) == rows
+                and positions.dtype == slots.dtype == torch.int64 and block_table.dtype == seq_lens.dtype == torch.int32
+                and block_table.is_contiguous() and seq_lens.is_contiguous() and len(seq_lens) == block_table.shape[0]
+                == rows):
+            raise ValueError("decode_step: inputs of another layout than decode_step.c reads")
         q_width = self.num_heads * self.head_dim
         qkv_width = q_width + 2 * self.kv_heads * self.head_dim
         scratch = torch.empty(rows * (qkv_width + q_width + self.hidden + self.intermediate), dtype=torch.bfloat16)

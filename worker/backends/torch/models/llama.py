@@ -452,7 +452,7 @@ class TorchLlamaForCausalLM:
         if self.batch_invariant:
             raise BatchInvarianceError("batch invariance needs vLLM CPU's attention kernel, which takes no "
                                        "per-layer KV buffers (hybrid KV cache groups)")
-        self.kernel_isa, self.own_decode_attention = "", False
+        self.kernel_isa, self.own_decode_attention, self._decode_steps = "", False, {}
         if self.device.type == "cpu" and dtype != torch.float32:
             log.info("attention, norms and RoPE run plain torch: per-layer KV buffers are paged_kv.py's")
         return paged_kv.allocate(self.lanes, len(specs), blocks + 1, kv_heads, block_size, head_dim, dtype,
@@ -787,12 +787,18 @@ class TorchLlamaForCausalLM:
         return self.lm_head(h[step.last]).float()
 
     def _decode_step(self, step: _Packed, kv_cache: KVCache) -> DecodeStep | None:
-        """decode_step.c for this step when it is a decode step (one token a row) of one lane
-        and the layers and cache allow it (decided once per lane's cache, the refusal logged)."""
+        """decode_step.c for this step when it is a decode-shaped step (exactly one token a row:
+        a decode, a one-token prefill chunk or a verify step without drafts) of one lane with a
+        (row, KV head) pair for every thread (its attention is ttserve's kernel, which gives
+        each pair one thread), and the layers and cache allow it (decided once per lane's cache,
+        the refusal logged)."""
         if len(step.lanes) != 1:
             return None
         lane, attention = step.lanes[0]
-        if attention.stop - attention.start != len(attention.seq_lens):
+        rows = len(attention.seq_lens)
+        starts = attention.query_start_loc
+        if (attention.stop - attention.start != rows or rows * self.shape.num_kv_heads < torch.get_num_threads()
+                or not torch.equal(starts, torch.arange(rows + 1, dtype=starts.dtype))):
             return None
         caches = kv_cache[lane]
         key = caches[0][0].data_ptr()

@@ -14,6 +14,7 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -58,14 +59,17 @@ def _compiler() -> list[str]:
     return shlex.split(os.environ.get("CC") or "cc")
 
 
-def _source_text(source: Path) -> bytes:
-    """The source and every file it includes by a quoted name, recursively (decode_step.c includes
-    the two kernels): what the cached library was compiled from."""
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def _source_text(source: Path, seen: frozenset[Path] = frozenset()) -> bytes:
+    """The source and every file it includes by a quoted name, recursively, each once per chain
+    (decode_step.c includes the two kernels): what the cached library was compiled from."""
     text = source.read_bytes()
-    for line in text.splitlines():
-        words = line.split()
-        if len(words) == 2 and words[0] == b"#include" and words[1].startswith(b'"'):
-            text += _source_text(source.with_name(words[1].strip(b'"').decode()))
+    for name in _LOCAL_INCLUDE.findall(text):
+        included = (source.parent / name.decode()).resolve()
+        if included not in seen:
+            text += _source_text(included, seen | {source.resolve()})
     return text
 
 
