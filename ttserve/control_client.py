@@ -8,6 +8,7 @@ Blocking and thread-backed: one gRPC Session stream, messages read on a backgrou
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class ControlClient:
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
         self._outgoing: queue.Queue = queue.Queue()
         self.incoming: queue.Queue = queue.Queue()
+        # Messages admissions() read past, served again first, in order, by next().
+        self._held: collections.deque[engine_pb2.ServerMessage] = collections.deque()
         stream = self.stub.Session(iter(self._outgoing.get, None), metadata=CALL_METADATA)
         threading.Thread(target=self._read, args=(stream,), daemon=True).start()
 
@@ -82,11 +85,28 @@ class ControlClient:
 
     def next(self, timeout: float = 120) -> engine_pb2.ServerMessage:
         """The next message; raises ConnectionError once the session has ended."""
+        if self._held:
+            return self._held.popleft()
         message = self.incoming.get(timeout=timeout)
         if isinstance(message, ConnectionError):
             self.incoming.put(message)  # for the calls after this one
             raise ConnectionError(*message.args)
         return message
+
+    def admissions(self, request_ids: set[str] | list[str], timeout: float = 120) -> dict[str, engine_pb2.Admission]:
+        """Each id's admission, as it arrives. Every other message read meanwhile (outputs of
+        requests admitted early) is kept for next() and collect(), so none is lost."""
+        wanted, verdicts, passed = set(request_ids), {}, []
+        try:
+            while len(verdicts) < len(wanted):
+                message = self.next(timeout)
+                if message.HasField("admission") and message.admission.request_id in wanted:
+                    verdicts[message.admission.request_id] = message.admission
+                else:
+                    passed.append(message)
+        finally:
+            self._held.extendleft(reversed(passed))
+        return verdicts
 
     def collect(self, request_ids: set[str], timeout: float = 600) -> dict[str, Result]:
         """Outputs until every id has finished; raises Refused for a refused one and
