@@ -72,15 +72,14 @@ def test_one_call_computes_the_bits_of_the_operators_it_replaces(smollm2, monkey
 def test_one_row_on_two_threads_stays_within_the_split_kernels_rounding(smollm2, monkeypatch):
     """One row on two threads: the per-operator path attends with vLLM's kernel (its keys split
     over the threads, other roundings), the fused step with ttserve's. Calibration on the 2-core
-    EPYC: at most 0.25 apart over these logits (test_bf16_gemm's figure for vLLM's kernel with and
-    without its split: 0.75)."""
+    EPYC: at most 0.25 apart over these logits, 0.048 on average in the worst step
+    (test_bf16_gemm's figure for vLLM's kernel with and without its split: 0.75 and 0.134)."""
     model, kv, table = _model(smollm2, 1, monkeypatch)
     results = _decode_both_ways(model, kv, table, 1, 6, threads=2)
+    # (A greedy comparison here would be vacuous: random prompts leave no clear top token.)
     for fused, _, plain, _ in results:
-        assert (fused - plain).abs().max() < 1.0
-        top2 = plain.topk(2, dim=-1).values[0]
-        if top2[0] - top2[1] > 0.5:
-            assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+        difference = (fused - plain).abs()
+        assert difference.max() < 1.0 and difference.mean() < 0.1
 
 
 def test_the_model_says_why_it_keeps_the_operators(smollm2, monkeypatch):
