@@ -114,6 +114,120 @@ int ttserve_decode_attention_limits(int64_t *max_group, int64_t *max_block, int6
     return 1;
 }
 
+#ifdef __AVX512F__
+/* One work item: row `item / kv_heads`'s query heads of KV head `item % kv_heads` against that
+ * row's context. `threads`: the stride of the calling thread's walk over items, whose next item's
+ * first block is prefetched while this item's last is computed. */
+static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_stride,
+                        const uint16_t *key_cache, const uint16_t *value_cache, int64_t block_stride,
+                        int64_t head_stride, uint16_t *out, const int32_t *block_table, int64_t table_width,
+                        const int32_t *seq_lens, int64_t rows, int64_t num_heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t item, int64_t threads) {
+    const int64_t group = num_heads / kv_heads;
+    const int64_t row = item / kv_heads, kv = item % kv_heads;
+    const int64_t len = seq_lens[row];
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    float qs[MAX_GROUP][MAX_HEAD_DIM];
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float s[MAX_GROUP][MAX_BLOCK];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        const uint16_t *qh = q + row * q_row_stride + (kv * group + g) * q_head_stride;
+        for (int64_t d = 0; d < head_dim; d++) qs[g][d] = bf16_to_f32(qh[d]) * scale;
+        memset(acc[g], 0, sizeof(float) * head_dim);
+        m[g] = NEG_BIG;
+        l[g] = 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t id = block_table[row * table_width + b];
+        const uint16_t *kt = key_cache + id * block_stride + kv * head_stride;
+        const uint16_t *v = value_cache + id * block_stride + kv * head_stride;
+        const int64_t n = (b == blocks - 1) ? len - b * block_size : block_size;
+        {
+            /* The block after this one in the thread's walk: the item's next, else its next
+             * item's first. */
+            int64_t nrow = row, nkv = kv, nb = b + 1;
+            if (nb >= blocks) { nrow = (item + threads) / kv_heads; nkv = (item + threads) % kv_heads; nb = 0; }
+            if (nrow < rows && nb * block_size < seq_lens[nrow]) {
+                const int64_t nid = block_table[nrow * table_width + nb];
+                prefetch_span(key_cache + nid * block_stride + nkv * head_stride, block_size * head_dim * 2);
+                prefetch_span(value_cache + nid * block_stride + nkv * head_stride, block_size * head_dim * 2);
+            }
+        }
+        for (int64_t t0 = 0; t0 < n; t0 += 4 * TILE) {
+            const int64_t tn = (n - t0 + TILE - 1) / TILE < 4 ? (n - t0 + TILE - 1) / TILE : 4;
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+                switch (gn * 4 + tn) {
+                case 5: qk_tile(1, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 6: qk_tile(1, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 7: qk_tile(1, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 8: qk_tile(1, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 9: qk_tile(2, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 10: qk_tile(2, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 11: qk_tile(2, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 12: qk_tile(2, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 13: qk_tile(3, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 14: qk_tile(3, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 15: qk_tile(3, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 16: qk_tile(3, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 17: qk_tile(4, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 18: qk_tile(4, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                case 19: qk_tile(4, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                default: qk_tile(4, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
+                }
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = s[g];
+            float block_max = NEG_BIG;
+            for (int64_t t = 0; t < n; t++) block_max = sg[t] > block_max ? sg[t] : block_max;
+            const float m_new = block_max > m[g] ? block_max : m[g];
+            const float correction = expf(m[g] - m_new);
+            float sum = 0.0f;
+            for (int64_t t = 0; t < n; t++) {
+                sg[t] = expf(sg[t] - m_new);
+                sum += sg[t];
+            }
+            l[g] = l[g] * correction + sum;
+            m[g] = m_new;
+            if (correction != 1.0f) {
+                for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= correction;
+            }
+        }
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+                const int dv = (int)((head_dim - d0) / 16 < 4 ? (head_dim - d0) / 16 : 4);
+                switch (gn * 4 + dv) {
+                case 5: pv_tile(1, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
+                case 6: pv_tile(1, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
+                case 7: pv_tile(1, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
+                case 8: pv_tile(1, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
+                case 9: pv_tile(2, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
+                case 10: pv_tile(2, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
+                case 11: pv_tile(2, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
+                case 12: pv_tile(2, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
+                case 13: pv_tile(3, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
+                case 14: pv_tile(3, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
+                case 15: pv_tile(3, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
+                case 16: pv_tile(3, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
+                case 17: pv_tile(4, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
+                case 18: pv_tile(4, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
+                case 19: pv_tile(4, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
+                default: pv_tile(4, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        uint16_t *o = out + (row * num_heads + kv * group + g) * head_dim;
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
+    }
+}
+#endif
+
 /* q [rows, num_heads, head_dim] (row and head strides given, last dim contiguous); out likewise,
  * contiguous; block_table [rows, table_width] int32; seq_lens [rows] int32 (a row's keys are
  * positions 0 .. seq_len - 1, its own just written). */
@@ -124,118 +238,17 @@ void ttserve_decode_attention(const uint16_t *q, int64_t q_row_stride, int64_t q
                               int64_t rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
                               int64_t block_size, float scale) {
 #ifdef __AVX512F__ /* else never called: vector_bits() says 0 and decode_attention.py refuses */
-    const int64_t group = num_heads / kv_heads;
     const int64_t items = rows * kv_heads;
-
 #pragma omp parallel
     {
-    /* Items dealt round-robin: a row's KV heads go to different threads, so rows of unequal
-     * length spread (cpu_kernels.Attention.plan leaves a step whose longest row outweighs the
-     * rest to vLLM's kernel, which splits a row's keys). */
-    const int64_t threads = omp_get_num_threads();
-    for (int64_t item = omp_get_thread_num(); item < items; item += threads) {
-        const int64_t row = item / kv_heads, kv = item % kv_heads;
-        const int64_t len = seq_lens[row];
-        const int64_t blocks = (len + block_size - 1) / block_size;
-        float qs[MAX_GROUP][MAX_HEAD_DIM];
-        float acc[MAX_GROUP][MAX_HEAD_DIM];
-        float s[MAX_GROUP][MAX_BLOCK];
-        float m[MAX_GROUP], l[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) {
-            const uint16_t *qh = q + row * q_row_stride + (kv * group + g) * q_head_stride;
-            for (int64_t d = 0; d < head_dim; d++) qs[g][d] = bf16_to_f32(qh[d]) * scale;
-            memset(acc[g], 0, sizeof(float) * head_dim);
-            m[g] = NEG_BIG;
-            l[g] = 0.0f;
-        }
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t id = block_table[row * table_width + b];
-            const uint16_t *kt = key_cache + id * block_stride + kv * head_stride;
-            const uint16_t *v = value_cache + id * block_stride + kv * head_stride;
-            const int64_t n = (b == blocks - 1) ? len - b * block_size : block_size;
-            {
-                /* The block after this one in the thread's walk: the item's next, else its next
-                 * item's first. */
-                int64_t nrow = row, nkv = kv, nb = b + 1;
-                if (nb >= blocks) { nrow = (item + threads) / kv_heads; nkv = (item + threads) % kv_heads; nb = 0; }
-                if (nrow < rows && nb * block_size < seq_lens[nrow]) {
-                    const int64_t nid = block_table[nrow * table_width + nb];
-                    prefetch_span(key_cache + nid * block_stride + nkv * head_stride, block_size * head_dim * 2);
-                    prefetch_span(value_cache + nid * block_stride + nkv * head_stride, block_size * head_dim * 2);
-                }
-            }
-            for (int64_t t0 = 0; t0 < n; t0 += 4 * TILE) {
-                const int64_t tn = (n - t0 + TILE - 1) / TILE < 4 ? (n - t0 + TILE - 1) / TILE : 4;
-                for (int64_t g0 = 0; g0 < group; g0 += 4) {
-                    const int64_t gn = group - g0 < 4 ? group - g0 : 4;
-                    switch (gn * 4 + tn) {
-                    case 5: qk_tile(1, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 6: qk_tile(1, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 7: qk_tile(1, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 8: qk_tile(1, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 9: qk_tile(2, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 10: qk_tile(2, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 11: qk_tile(2, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 12: qk_tile(2, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 13: qk_tile(3, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 14: qk_tile(3, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 15: qk_tile(3, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 16: qk_tile(3, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 17: qk_tile(4, 1, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 18: qk_tile(4, 2, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    case 19: qk_tile(4, 3, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    default: qk_tile(4, 4, qs + g0, kt, t0, block_size, head_dim, s + g0); break;
-                    }
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = s[g];
-                float block_max = NEG_BIG;
-                for (int64_t t = 0; t < n; t++) block_max = sg[t] > block_max ? sg[t] : block_max;
-                const float m_new = block_max > m[g] ? block_max : m[g];
-                const float correction = expf(m[g] - m_new);
-                float sum = 0.0f;
-                for (int64_t t = 0; t < n; t++) {
-                    sg[t] = expf(sg[t] - m_new);
-                    sum += sg[t];
-                }
-                l[g] = l[g] * correction + sum;
-                m[g] = m_new;
-                if (correction != 1.0f) {
-                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= correction;
-                }
-            }
-            for (int64_t g0 = 0; g0 < group; g0 += 4) {
-                const int64_t gn = group - g0 < 4 ? group - g0 : 4;
-                for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-                    const int dv = (int)((head_dim - d0) / 16 < 4 ? (head_dim - d0) / 16 : 4);
-                    switch (gn * 4 + dv) {
-                    case 5: pv_tile(1, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
-                    case 6: pv_tile(1, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
-                    case 7: pv_tile(1, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
-                    case 8: pv_tile(1, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
-                    case 9: pv_tile(2, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
-                    case 10: pv_tile(2, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
-                    case 11: pv_tile(2, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
-                    case 12: pv_tile(2, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
-                    case 13: pv_tile(3, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
-                    case 14: pv_tile(3, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
-                    case 15: pv_tile(3, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
-                    case 16: pv_tile(3, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
-                    case 17: pv_tile(4, s + g0, v, n, head_dim, d0, 1, acc + g0); break;
-                    case 18: pv_tile(4, s + g0, v, n, head_dim, d0, 2, acc + g0); break;
-                    case 19: pv_tile(4, s + g0, v, n, head_dim, d0, 3, acc + g0); break;
-                    default: pv_tile(4, s + g0, v, n, head_dim, d0, 4, acc + g0); break;
-                    }
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            uint16_t *o = out + (row * num_heads + kv * group + g) * head_dim;
-            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-            for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
-        }
-    }
+        /* Items dealt round-robin: a row's KV heads go to different threads, so rows of unequal
+         * length spread (cpu_kernels.Attention.plan leaves a step whose longest row outweighs the
+         * rest to vLLM's kernel, which splits a row's keys). */
+        const int64_t threads = omp_get_num_threads();
+        for (int64_t item = omp_get_thread_num(); item < items; item += threads)
+            attend_item(q, q_row_stride, q_head_stride, key_cache, value_cache, block_stride, head_stride, out,
+                        block_table, table_width, seq_lens, rows, num_heads, kv_heads, head_dim, block_size,
+                        scale, item, threads);
     }
 #endif
 }
