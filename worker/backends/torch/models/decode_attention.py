@@ -4,9 +4,14 @@ host that runs it.
 Why: at 8 rows and more, a decode step's attention reads every row's whole context from a cache
 that the layer's weights have just evicted, and vLLM CPU's kernel reads that cold cache at ~5 GB/s
 per thread (one block after another), a third of what the memory system serves. On the 2-core
-EPYC, SmolLM2's heads, 30 layers: 32 rows x 200 tokens 476 -> 280 us a layer, 32 x 1000
-1719 -> 1041, 8 x 200 86 -> 52 (benchmarks/decode_attention.py). Attention was 38% of a 32-row
-SmolLM2 step.
+EPYC, SmolLM2's heads, 30 layers, vLLM's kernel -> ttserve's (each with vLLM's KV write, as the
+operator path runs it; benchmarks/decode_attention.py): 32 rows x 200 tokens 565 -> 326 us a
+layer, 32 x 1000 2447 -> 1055, 8 x 200 134 -> 88, 8 x 1000 730 -> 338. Attention was 38% of a
+32-row SmolLM2 step. What made the difference, each measured alone (32 x 160 and 32 x 1000, the
+kernel only, cold): requesting the next block into L2 rather than L1 (prefetcht1; the L1's miss
+buffers drop or stall a burst of 256 requests) and spreading the requests over the block's work,
+1.3-1.5x; the query-key products as bfloat16 pairs (VDPBF16PS) instead of converting every key to
+float32, 1.1-1.25x.
 
 Where: the model decides once, at allocate_kv_cache, whether its decode steps may use it
 (`unavailable()`: this host, the dtype, the shapes, the cache layout); cpu_kernels.Attention.plan
