@@ -133,6 +133,23 @@ def test_the_kernel_is_as_close_to_float64_as_vllms(rows, heads, kv_heads, dim, 
     assert ours <= 1.5 * vllms + 2 ** -10 * scale, (ours, vllms)
 
 
+def test_the_float32_key_path_of_cpus_without_avx512_bf16_is_as_close_to_float64():
+    # AVX-512 CPUs without its BF16 extension (Skylake-SP to Ice Lake) build the path that converts
+    # every key to float32: the same checks, in a process whose compiler is told so. The build
+    # cache's key includes the compiler's argv, so that library is a separate one.
+    if kernel_here():
+        pytest.skip(kernel_here())
+    cc = os.environ.get("CC") or "cc"
+    probe = subprocess.run([*cc.split(), "-mno-avx512bf16", "-march=native", "-dM", "-E", "-"], input="",
+                           capture_output=True, text=True)
+    if probe.returncode or "__AVX512BF16__" in probe.stdout:
+        pytest.skip(f"{cc} cannot build without AVX512-BF16 here")
+    run = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+                          "-k", "as_close_to_float64_as_vllms"], env={**os.environ, "CC": f"{cc} -mno-avx512bf16"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and f"{len(CASES)} passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows():
     if kernel_here():
         pytest.skip(kernel_here())
