@@ -22,11 +22,11 @@
  * here and operator by operator give the same logits and KV cache bit for bit
  * (tests/test_decode_step.py). Every op is per row, so a row's bits never depend on the other
  * rows of the step. The GEMMs are OpenMP-parallel; RoPE, the cache writes and the attention are
- * one parallel loop over (row, KV head) items (on one thread, at 32 rows, the scattered writes of
- * transposed keys into cold cache lines took 4.3 of a 48 ms step; per item, RoPE, writes and
- * attention together went from 14.5 to 10.7 ms, the written lines in cache when the attention
- * reads them); the norms (a few thousand
- * elements a row) run on the calling thread.
+ * one parallel loop over (row, KV head) items, so the writes run on every thread and the lines
+ * they dirty are in cache when the same item's attention reads them (at 32 rows on one thread,
+ * the transposed keys' scattered writes into cold lines took 4.3 of a 48 ms step; per item, the
+ * three together went from 14.5 to 10.7 ms). The norms (a few thousand elements a row) run on
+ * the calling thread.
  *
  * Compiled by decode_step.py (native_build.py) like the two kernels it includes.
  */
