@@ -7,7 +7,9 @@ from __future__ import annotations
 # token on 2 cores, so a step of 2048 holds every decode and every later prompt for ~1.4 s. At 1024,
 # 32 prompts of 128 tokens arriving together (benchmarks/vs_vllm.py's c=32 load) got their first
 # tokens sooner, TTFT p50 1413/1413 -> 1303/1277 ms, and output 358/352 -> 371/369 tok/s (2-core
-# EPYC, two rounds); at 512, TTFT fell further but output by 8%. Devices keep 2048.
+# EPYC, two rounds). At 512, c=8's TTFT p50 fell ~25% more (in process, splitting 1024 tokens in two
+# steps costs ~1%), but c=32's output fell in five of seven served A/B rounds (8-12% where the
+# machine was steady) and rose 8-11% in two: not settled, so 1024 stays. Devices keep 2048.
 CPU_BATCHED_TOKENS, DEVICE_BATCHED_TOKENS = 1024, 2048
 
 

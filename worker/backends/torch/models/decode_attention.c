@@ -3,12 +3,13 @@
  * One query token per row attends to every key of its row (the decode step). Work items are
  * (row, KV head) pairs, each one thread's from its first block to its last, so a row's result
  * never depends on the other rows of the step. Per block, all of a KV head's query heads are
- * scored against 16 keys at a time with the scores in registers (the keys are stored transposed,
- * so 16 consecutive keys of one dimension are one vector), then their probabilities weight the
- * values in registers: the block is read once for the whole group, keys in address order. While a
- * block is computed, the next block of the thread's walk is requested into L2 (software prefetch,
- * one line per iteration of the block's loops), so a cold cache (the layer's weights have just
- * evicted it) streams instead of stalling each block. decode_attention.py has the figures.
+ * scored against up to 64 keys at a time with the scores in registers (the keys are stored
+ * transposed, so consecutive keys of one dimension are one vector), then their probabilities
+ * weight the values in registers: the block is read once for the whole group, keys in address
+ * order. While a block is computed, the next block of the thread's walk is requested into L2
+ * (software prefetch, one line per iteration of the block's loops), so a cold cache (the layer's
+ * weights have just evicted it) streams instead of stalling each block. decode_attention.py has
+ * the figures.
  *
  * Layout (what vLLM CPU's cpu_attn_reshape_and_cache writes for its "vec" and "vec16" ISAs, as
  * measured in tests/test_decode_attention.py): per (block, KV head), the keys transposed,
