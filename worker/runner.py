@@ -625,7 +625,9 @@ class ModelRunner:
             # Only the live rows are sampled: the others' logits are garbage by contract, and
             # a step of a few requests should not pay for every row the batch could hold.
             live = sorted(s.row for s in by_row if s)
-            logits = out.reshape(rows, -1)[live]
+            logits = out.reshape(rows, -1)
+            if len(live) < rows:  # (a full batch is read in place: no copy of every row's logits)
+                logits = logits[live]
             picked = sampling.select(live)
             sampled = sample(logits, picked)
             out = torch.zeros(rows, dtype=torch.long, device=sampled.device)

@@ -15,7 +15,7 @@ import torch
 from ...batch import ServingConfig
 from ...device import PendingDecode, Progress
 from ...sampling import SamplingBatch
-from .host_heap import release_free_heap
+from .host_heap import keep_step_buffers, release_free_heap
 
 
 class TorchBackend:
@@ -62,6 +62,7 @@ class TorchBackend:
             hf_config, self.device, config.max_num_seqs, config.max_model_len,
             tt_data_parallel=config.num_lanes, model_path=str(model_path), dtype=self.dtype, **invariant)
         release_free_heap()  # the checkpoint's float32 copies, freed while loading
+        keep_step_buffers()  # from here on, each step reuses the last one's freed pages
         return model
 
     def verifies_drafts(self, model_cls: type) -> bool:
