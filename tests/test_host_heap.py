@@ -53,7 +53,9 @@ def _run(model: Path, **env: str) -> dict:
 def test_the_backends_load_keeps_a_steps_buffers_for_the_next(smollm2):
     kept = _run(smollm2)
     assert kept["kept"] == [True]
-    assert kept["faults"] < 100, kept  # 16 x 1,536 pages where they are given back
+    # Given back, the step faults 16 x 1,536 pages; kept, not one buffer's worth (what remains,
+    # 0-161 measured, is the interpreter's and torch's own small allocations).
+    assert kept["faults"] < 1_000, kept
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
