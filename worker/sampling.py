@@ -208,10 +208,9 @@ def _inverse_cdf_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     vocabulary, cast on the fly into a fresh 12 MB, took 8-10 ms at 32 x 49,152 in the sampler on a
     2-core EPYC, 2.3 ms alone in a loop; this takes 0.3-0.5): float32 sums of blocks of CDF_BLOCK
     entries, their float64 cumulative sum to find the block, then the float64 cumulative sum
-    inside that block alone. A block sum's
-    float32 rounding (~1e-7 of the block's mass) can move a boundary by that much; the draw
-    stays inside the chosen block (its last token of non-zero probability if the rounding pushed
-    the target past the block's own sum)."""
+    inside that block alone. A block sum's float32 rounding (~1e-7 of the block's mass) can move a
+    boundary by that much; the draw stays inside the chosen block (its last token of non-zero
+    probability if the rounding pushed the target past the block's own sum)."""
     n, vocab = probs.shape
     block = CDF_BLOCK
     while vocab % block and block > 16:

@@ -17,9 +17,9 @@ alternating rounds kept / not: 0.93, 1.04, 1.04 at c=32, 1.04, 1.12, 1.01 at c=8
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
+
+from ttserve.malloc_arenas import libc_function
 
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
@@ -34,17 +34,9 @@ KEPT_FREE_TOP_BYTES = 256 << 20
 _OPERATOR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
 def release_free_heap() -> bool:
     """malloc_trim(0) where the C library has it (glibc); False elsewhere (musl, macOS)."""
-    trim = getattr(_libc(), "malloc_trim", None)
+    trim = libc_function("malloc_trim")
     if trim is None:
         return False
     trim(0)
@@ -59,7 +51,7 @@ def keep_step_buffers() -> bool:
     if any(name in os.environ for name in _OPERATOR_SETTINGS) or "glibc.malloc." in os.environ.get(
             "GLIBC_TUNABLES", ""):
         return False
-    mallopt = getattr(_libc(), "mallopt", None)
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, KEPT_BUFFER_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD,
