@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Loads a model through the torch backend, as the worker does, then runs two steps that each
 # allocate, fill and free sixteen buffers the size of 32 rows of SmolLM2's logits in float32
 # (6.3 MB each, 100 MB in all: a prefill's transients are of that order): prints the minor faults
-# of the second step, and what keep_step_buffers answered. Whether glibc's defaults fault here
+# of each of five later steps, and what keep_step_buffers answered. The cases judge the quietest
+# step: the count is the whole process's, and under a loaded machine the kernel's own page work
+# (THP collapse, compaction) lands a thousand stray faults in a step now and then (1,076 seen in CI). Whether glibc's defaults fault here
 # depends on the heap's history (which arena each thread's buffers land in, holes the load left):
 # the served figures are host_heap.py's (3,000-4,000 pages a decode step at c=32 without it).
 STEPS = """
@@ -35,9 +37,12 @@ def step():
     for b in buffers:
         b.fill_(1.0)
 step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-step()
-print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, "kept": kept}))
+faults = []
+for _ in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults": faults, "kept": kept}))
 """
 
 
@@ -53,9 +58,9 @@ def _run(model: Path, **env: str) -> dict:
 def test_the_backends_load_keeps_a_steps_buffers_for_the_next(smollm2):
     kept = _run(smollm2)
     assert kept["kept"] == [True]
-    # Given back, the step faults 16 x 1,536 pages; kept, not one buffer's worth (what remains,
+    # Given back, a step faults 16 x 1,536 pages; kept, not one buffer's worth (what remains,
     # 0-161 measured, is the interpreter's and torch's own small allocations).
-    assert kept["faults"] < 1_000, kept
+    assert min(kept["faults"]) < 1_000, kept
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
@@ -64,4 +69,4 @@ def test_the_backends_load_keeps_a_steps_buffers_for_the_next(smollm2):
 def test_an_operators_malloc_settings_win(smollm2, env):
     result = _run(smollm2, **env)
     assert result["kept"] == [False]
-    assert result["faults"] > 10_000, result  # their thresholds: the buffers mapped afresh
+    assert min(result["faults"]) > 10_000, result  # their thresholds: every step maps afresh
