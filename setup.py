@@ -36,4 +36,4 @@ class BuildPyWithStubs(build_py):
 packages, package_dir = _packages()
 setup(packages=packages, package_dir=package_dir, cmdclass={"build_py": BuildPyWithStubs},
       package_data={"ttserve.v1": ["*.py", "*.pyi"],
-                    "ttserve.worker.backends.torch.models": ["*.c"]})  # decode_attention.c, bf16_gemm.c: built where they run
+                    "ttserve.worker.backends.torch.models": ["*.c", "*.h"]})  # decode_attention.c, bf16_gemm.c: built where they run

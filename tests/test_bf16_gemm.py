@@ -127,6 +127,23 @@ def test_a_prefill_spreads_its_row_blocks_over_threads_and_computes_the_same_bit
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+def test_threads_that_outnumber_the_cores_take_each_others_shares_and_compute_the_same_bits():
+    """More threads than cores: threads are taken off their cores mid-share, and the others claim
+    what is left of those shares (work_shares.h). Every item is computed once, as on one thread."""
+    g = torch.Generator().manual_seed(4)
+    gemm = bf16_gemm.GEMM(torch.randn(3072, 576, generator=g).to(BF16))
+    inputs = [torch.randn(rows, 576, generator=g).to(BF16) for rows in (1, 5, 32)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [gemm(x) for x in inputs]
+        torch.set_num_threads(3 * os.cpu_count())
+        for _ in range(20):
+            assert all(torch.equal(gemm(x), want) for x, want in zip(inputs, alone))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_gemm_refuses_a_weight_it_cannot_read():
     with pytest.raises(ValueError, match="a bfloat16 CPU weight"):
         bf16_gemm.GEMM(torch.zeros(40, 32, dtype=torch.float16))

@@ -8,15 +8,16 @@
  * which the hardware prefetcher follows. A decode step reads every weight once: with a few rows
  * the GEMM is bound by that read, and this layout keeps it there (bf16_gemm.py has the figures).
  *
- * Work: items are (tile, block of up to ROWS rows) pairs, tile-major, and each thread takes a
- * contiguous range of them: a tile's weight, once read, serves its next row blocks from the
- * thread's cache, and a prefill's row blocks spread over threads where the tiles alone are too few
- * (576 outputs are 18 tiles). A decode step's items are its tiles. A block's rows are in registers
- * (2 accumulators per row, the weight loaded once for them). (Chunking a prefill's rows so that
- * each chunk's inputs stay in L2 while every tile passes over them measured no faster at 2048 rows
- * on the 2-core EPYC: its L3 serves them.) A row's outputs are summed in one order, input pair
- * after input pair, whatever the number of rows or threads: a row's bits never depend on the
- * other rows of the GEMM (batch invariant).
+ * Work: items are (tile, block of up to ROWS rows) pairs, tile-major, and each thread starts on a
+ * contiguous share of them (work_shares.h: a thread off its core mid-share has the rest of its
+ * share taken by the others), in chunks of at most one tile's row blocks: a tile's weight, once
+ * read, serves its next row blocks from the thread's cache, and a prefill's row blocks spread over
+ * threads where the tiles alone are too few (576 outputs are 18 tiles). A decode step's items are
+ * its tiles. A block's rows are in registers (2 accumulators per row, the weight loaded once for
+ * them). (Chunking a prefill's rows so that each chunk's inputs stay in L2 while every tile passes
+ * over them measured no faster at 2048 rows on the 2-core EPYC: its L3 serves them.) A row's
+ * outputs are summed in one order, input pair after input pair, whatever the number of rows or
+ * threads: a row's bits never depend on the other rows of the GEMM (batch invariant).
  * Accumulation is float32 (VDPBF16PS: products of bfloat16 pairs added to float32, subnormal
  * inputs and results as zero), the bias is added in float32, and the result is rounded to
  * bfloat16 to nearest even, once (VCVTNE2PS2BF16: subnormal results as zero).
@@ -32,6 +33,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "work_shares.h"
 
 #define TILE_N 32
 #define ROWS 12 /* rows per register pass: 24 accumulators, 2 weight vectors, a broadcast */
@@ -143,15 +146,18 @@ void ttserve_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pack
                        uint16_t *y, int64_t y_stride, int64_t rows, int64_t n, int64_t k, int epilogue) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     const int64_t tiles = (n + TILE_N - 1) / TILE_N, blocks = (rows + ROWS - 1) / ROWS;
+    const int64_t items = tiles * blocks, per_thread = items / (8 * omp_get_max_threads());
+    work_shares shares;
+    shares_init(&shares, items, per_thread < 1 ? 1 : per_thread < blocks ? per_thread : blocks);
 #pragma omp parallel
     {
-        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t lo = tiles * blocks * t / threads, hi = tiles * blocks * (t + 1) / threads;
-        for (int64_t item = lo; item < hi; item++) {
-            const int64_t tile = item / blocks, r = item % blocks * ROWS;
-            row_block(x + r * x_stride, x_stride, packed + tile * k * TILE_N, bias, y + r * y_stride, y_stride,
-                      rows - r, tile, n, k, epilogue);
-        }
+        int64_t from = -1, lo, hi;
+        while (shares_take(&shares, &from, &lo, &hi))
+            for (int64_t item = lo; item < hi; item++) {
+                const int64_t tile = item / blocks, r = item % blocks * ROWS;
+                row_block(x + r * x_stride, x_stride, packed + tile * k * TILE_N, bias, y + r * y_stride, y_stride,
+                          rows - r, tile, n, k, epilogue);
+            }
     }
 #endif
 }

@@ -22,11 +22,11 @@
  * here and operator by operator give the same logits and KV cache bit for bit
  * (tests/test_decode_step.py). Every op is per row, so a row's bits never depend on the other
  * rows of the step. The GEMMs are OpenMP-parallel; RoPE, the cache writes and the attention are
- * one parallel loop over (row, KV head) items, so the writes run on every thread and the lines
- * they dirty are in cache when the same item's attention reads them (at 32 rows on one thread,
- * the transposed keys' scattered writes into cold lines took 4.3 of a 48 ms step; per item, the
- * three together went from 14.5 to 10.7 ms). The norms (a few thousand elements a row) run on
- * the calling thread.
+ * one parallel loop over (row, KV head) items (split by work_shares.h, as the GEMMs are), so the
+ * writes run on every thread and the lines they dirty are in cache when the same item's attention
+ * reads them (at 32 rows on one thread, the transposed keys' scattered writes into cold lines took
+ * 4.3 of a 48 ms step; per item, the three together went from 14.5 to 10.7 ms). The norms (a few
+ * thousand elements a row) run on the calling thread.
  *
  * Compiled by decode_step.py (native_build.py) like the two kernels it includes.
  */
@@ -118,10 +118,12 @@ void ttserve_decode_step(const int64_t *layers, int64_t num_layers, uint16_t *h,
          * query heads and key, the key and value into the cache (written lines stay in that
          * thread's cache for the attention that reads them next), then attention. An item's
          * heads are its own: no two items write the same element. */
+        work_shares shares;
+        shares_init(&shares, rows * kv_heads, 1);
 #pragma omp parallel
         {
-            const int64_t threads = omp_get_num_threads();
-            for (int64_t item = omp_get_thread_num(); item < rows * kv_heads; item += threads) {
+            int64_t from = -1, item, end;
+            while (shares_take(&shares, &from, &item, &end)) {
                 const int64_t r = item / kv_heads, kv = item % kv_heads;
                 uint16_t *row = qkv + r * qkv_width;
                 uint16_t *k = row + q_width + kv * head_dim, *v = row + q_width + kv_width + kv * head_dim;
@@ -131,7 +133,7 @@ void ttserve_decode_step(const int64_t *layers, int64_t num_layers, uint16_t *h,
                 write_kv(k, v, keys, values, slots[r], block_size, block_stride, head_stride, kv, head_dim);
                 attend_item(qkv, qkv_width, head_dim, keys, values, block_stride, head_stride, attended, block_table,
                             table_width, seq_lens, rows, num_heads, kv_heads, head_dim, block_size, scale, item,
-                            threads);
+                            1);
             }
         }
         ttserve_bf16_gemm(attended, q_width, (const uint16_t *)f[F_O], (const uint16_t *)f[F_O_BIAS], a, hidden,
