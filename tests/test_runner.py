@@ -62,6 +62,27 @@ def test_device_and_host_sampling_give_the_same_tokens(smollm2, host_run):
     assert all(device_paths) and not any(host_paths)
 
 
+def test_a_pipelined_decode_a_cpu_computed_comes_back_with_its_own_step(smollm2, host_run):
+    """On a CPU the launch is the compute: a decode asked to stay on the device (async_readback)
+    is returned at once, not after the next step's compute, and the next decode's carried rows
+    (use_previous_token) still take its tokens. The tokens are the host-sampled run's."""
+    r = runner(smollm2, sample_on_device_mode="all")[0]
+    assert r.async_decode
+    news = [NewRequest("greedy", 0, 0, 0.0, 1.0, 0, None), NewRequest("seeded", 0, 1, 0.8, 0.9, 50, 1234)]
+    first = r.execute(StepBatch(1, "prefill", new_requests=news, prefill=[
+        PrefillChunk(rid, ids, 0, [i], True) for i, (rid, ids) in enumerate(PROMPTS.items())]))
+    out = {rid: [t] for rid, t in first.tokens.items()}
+    for step in range(4):
+        carried = step > 0  # the first decode feeds the prefill's tokens from the host
+        items = [DecodeItem(rid, 0 if carried else out[rid][-1], len(PROMPTS[rid]) + step, [],
+                            use_previous_token=carried) for rid in PROMPTS]
+        [result] = r.step(StepBatch(2 + step, "decode", async_readback=True, decode=items))
+        assert result.step_id == 2 + step and result.sampled_on_device and not r.unanswered()
+        for rid, t in result.tokens.items():
+            out[rid].append(t)
+    assert out == {rid: tokens[:5] for rid, tokens in host_run[0].items()}
+
+
 @pytest.mark.parametrize("sampling", [{}, {"sample_on_device_mode": "all"}], ids=["host", "device"])
 def test_traced_torch_decode_runs_static_shapes_and_gives_the_same_tokens(smollm2, host_run, sampling):
     # The worker's torch backend: decode traces only (a CUDA graph on CUDA, eager here).

@@ -612,7 +612,12 @@ class ModelRunner:
             if on_device else None, tokens=tokens, start_pos=positions, page_table=self._page_table,
             kv_cache=self.kv_cache, previous=self._previous_tokens, carried_rows=carried, **rope,
             **self._per_layer(self._page_tables))
-        if pipelined and on_device:
+        # A readback with nothing to wait for (no events: a CPU computed the step in the launch)
+        # is returned now: held, its tokens would wait behind the next step's whole compute, and
+        # the control plane could not plan the step after that one until then. The control plane
+        # has sent the next step already (it plans ahead for every pipelined decode), so the
+        # device still goes from this step to the next without waiting for a round trip.
+        if pipelined and on_device and pending.events:
             # The result stays on the device until finish(), after the next step is launched;
             # that step's carried rows take these tokens from it (the backend decides how).
             self._previous_tokens = pending
