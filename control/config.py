@@ -50,10 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "request to a lane's whole KV cache")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="reuse KV blocks of shared prompt prefixes (if the model supports it)")
-    g.add_argument("--max-consecutive-prefill-steps", type=int, default=2,
+    g.add_argument("--max-consecutive-prefill-steps", type=int, default=None,
                    help="prefill steps in a row while decodes wait: bounds the stall of streaming "
-                        "requests during bursts of long prompts (benchmarks/phase_policy.py: 2 "
-                        "cuts the worst stall 15x for +5%% burst TTFT against unbounded)")
+                        "requests during bursts of long prompts (default: 2048 prefill tokens' worth "
+                        "of steps, at least 2; benchmarks/phase_policy.py: 2 steps of 1024 cut the "
+                        "worst stall 15x for +5%% burst TTFT against unbounded)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="pipeline decode steps (two in flight) when the worker supports async "
                         "decode; default: whenever it does")
@@ -170,7 +171,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.migration_limit < 0 or args.migration_timeout <= 0:
         raise ConfigError(f"--migration-limit must be 0 or more and --migration-timeout positive seconds, got "
                           f"{args.migration_limit} and {args.migration_timeout}")
-    if args.max_consecutive_prefill_steps < 1:
+    if args.max_consecutive_prefill_steps is not None and args.max_consecutive_prefill_steps < 1:
         raise ConfigError("--max-consecutive-prefill-steps must be at least 1, got "
                           f"{args.max_consecutive_prefill_steps}")
     try:
@@ -187,7 +188,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling,
-                        max_consecutive_prefills=args.max_consecutive_prefill_steps,
+                        max_consecutive_prefills=args.max_consecutive_prefill_steps or 0,
                         tokenizer=args.tokenizer, stall_timeout_s=args.stall_timeout,
                         warmup_timeout_s=args.warmup_timeout,
                         queue=QueueBounds(args.max_num_queued_reqs, args.max_held_bytes, args.tenant_queue_share),

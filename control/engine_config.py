@@ -20,7 +20,7 @@ class EngineConfig:
     max_model_len: int = 0            # 0 = the model's own limit, capped by KV capacity; -1 = a lane's KV
     data_parallel_size: int = 1       # lanes per worker
     enable_prefix_caching: bool = False
-    max_consecutive_prefills: int = 2
+    max_consecutive_prefills: int = 0  # 0: from the prefill budget (control/phase.py default_streak)
     async_scheduling: bool | None = None  # None: whenever the worker supports async decode
     reconnect_interval_s: float = 1.0
     tokenizer: str = ""               # for grammars; "" = the first worker's model folder

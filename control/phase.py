@@ -5,12 +5,24 @@ never mixed. Prefill goes first whenever something can be admitted (new requests
 running batch sooner and decode batches stay full), but at most `max_consecutive_prefills`
 prefill steps run in a row while decodes wait, so a burst of long prompts cannot starve the
 requests that are streaming: between chunks of a long prompt, decode steps keep them going.
-The default of 2 comes from benchmarks/phase_policy.py: against an unbounded policy it cuts the
-worst decode stall during a burst of long prompts ~15x for ~5% more time to first token.
+The default bounds the wait in prefill tokens, whatever the step's budget (`default_streak`): 2
+steps of 1024 tokens came from benchmarks/phase_policy.py (against an unbounded policy it cut
+the worst decode stall during a burst of long prompts ~15x for ~5% more time to first token), so
+a budget of 512 (a CPU's, ttserve/batched_tokens.py) runs 4 in a row, and one of 2048 (a
+device's) still 2.
 """
 from __future__ import annotations
 
 from .step import StepKind
+
+# Prefill tokens decodes wait for at most, by default: 2 steps of 1024.
+PREFILL_TOKENS_WHILE_DECODES_WAIT = 2048
+
+
+def default_streak(max_num_batched_tokens: int) -> int:
+    """max_consecutive_prefills when --max-consecutive-prefill-steps is not given: as many steps
+    of this budget as PREFILL_TOKENS_WHILE_DECODES_WAIT, and at least 2."""
+    return max(2, PREFILL_TOKENS_WHILE_DECODES_WAIT // max(max_num_batched_tokens, 1))
 
 
 class PhasePolicy:

@@ -13,7 +13,7 @@ from .blocks import BlockPool
 from .engine_config import EngineConfig
 from .lanes import GroupPlan, LaneGroup
 from .metrics import ControlMetrics
-from .phase import PhasePolicy
+from .phase import PhasePolicy, default_streak
 from .placement import Candidate
 from .request import FinishReason, Request
 from .request_trace import RequestTracing
@@ -285,16 +285,18 @@ class WorkerGroup:
         lanes = [Scheduler(config, BlockPool(warm.num_blocks_per_lane, warm.block_size, plan.prefix_caching,
                                              warm.kv_windows), lane=i)
                  for i in range(plan.num_lanes)]
+        streak = self.config.max_consecutive_prefills or default_streak(config.max_num_batched_tokens)
         log.info("lane group %s: worker %s [%s, %s] runs %d lane(s) x %d seqs %s; %d blocks x %d "
-                 "tokens per lane%s; max_model_len %d, max_num_batched_tokens %d, chunked prefill %s, "
-                 "prefix caching %s, prefill lengths %s, async decode %s", self.name, warm.address, warm.backend,
+                 "tokens per lane%s; max_model_len %d, max_num_batched_tokens %d, at most %d prefill steps "
+                 "in a row while decodes wait, chunked prefill %s, prefix caching %s, prefill lengths %s, "
+                 "async decode %s", self.name, warm.address, warm.backend,
                  warm.device, plan.num_lanes, config.max_num_seqs,
                  "in one process" if warm.single_execute_lanes else "(independent group)",
                  warm.num_blocks_per_lane, warm.block_size, _kv_groups_text(warm.kv_windows),
-                 config.max_model_len, config.max_num_batched_tokens,
+                 config.max_model_len, config.max_num_batched_tokens, streak,
                  "on" if config.chunked_prefill else "off", "on" if plan.prefix_caching else "off",
                  warm.prefill_buckets or "any", "on" if plan.async_decode else "off")
-        return LaneGroup(lanes, PhasePolicy(self.config.max_consecutive_prefills))
+        return LaneGroup(lanes, PhasePolicy(streak))
 
     async def steps(self) -> AsyncIterator[Stepped]:
         """Plan, send, apply, and yield each step's result. With async decode, a stable decode

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ttserve.control.admission import AdmissionError, Limits, check_request
 from ttserve.control.blocks import BlockPool
-from ttserve.control.phase import PhasePolicy
+from ttserve.control.phase import PhasePolicy, default_streak
 from ttserve.control.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 from ttserve.control.scheduler import Scheduler, SchedulerConfig
 from ttserve.control.step import StepKind
@@ -32,6 +32,23 @@ def scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 4,
     return LaneOfOne(Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, **config),
                                BlockPool(num_blocks, block_size, enable_caching=caching)),
                      PhasePolicy(max_consecutive_prefills))
+
+
+def test_decodes_wait_for_2048_prefill_tokens_worth_of_steps_by_default_and_a_flag_wins():
+    """A CPU's 512-token steps run 4 in a row, 1024's 2, a device's 2048 still 2 (never fewer);
+    the flag, when given, is the bound whatever the budget, and 0 is refused."""
+    import argparse
+
+    from ttserve.control import config as control_config
+
+    assert [default_streak(b) for b in (64, 512, 1024, 2048, 8192)] == [32, 4, 2, 2, 2]
+    parser = argparse.ArgumentParser()
+    control_config.add_arguments(parser)
+    assert control_config.engine_config(parser.parse_args([])).max_consecutive_prefills == 0  # from the budget
+    flagged = parser.parse_args(["--max-consecutive-prefill-steps", "1"])
+    assert control_config.engine_config(flagged).max_consecutive_prefills == 1
+    with pytest.raises(control_config.ConfigError, match="at least 1, got 0"):
+        control_config.engine_config(parser.parse_args(["--max-consecutive-prefill-steps", "0"]))
 
 
 def run_step(s: LaneOfOne, token: int = 7) -> GroupPlan:

@@ -107,9 +107,9 @@ def test_a_chunk_holds_at_least_one_block():
     assert plan_warmup(config(max_num_batched_tokens=16), cold(), 1).max_num_batched_tokens == 16  # block unknown cold
 
 
-def test_without_the_flag_a_cpu_worker_prefills_1024_tokens_a_step_and_a_device_2048():
+def test_without_the_flag_a_cpu_worker_prefills_512_tokens_a_step_and_a_device_2048():
     """The budget's default follows the worker's device (ttserve/batched_tokens.py); a flag wins."""
-    assert plan_warmup(config(), cold(backend="torch", device="cpu"), 1).max_num_batched_tokens == 1024
+    assert plan_warmup(config(), cold(backend="torch", device="cpu"), 1).max_num_batched_tokens == 512
     assert plan_warmup(config(), cold(backend="torch", device="cuda:0"), 1).max_num_batched_tokens == 2048
     assert plan_warmup(config(), cold(backend="ttnn", device="mesh T3K (1, 8)"), 1).max_num_batched_tokens == 2048
     assert plan_warmup(config(), cold(backend="sim", device="sim t3k"), 1).max_num_batched_tokens == 2048
