@@ -154,3 +154,31 @@ def test_per_head_qk_norm_on_the_kernels_computes_what_plain_torch_does(tmp_path
     rows, tables = [0, 1], [[2, 0, 4], [1, 3]]
     reference = _run(model, plain, prompts, rows, tables, 16, 5)
     _agree(_run(model, kernels, prompts, rows, tables, 16, 5, fed=reference), reference)
+
+
+def test_a_decode_shaped_step_packs_as_any_step_would(smollm2):
+    """One token a row in one lane takes _pack's short plan (_pack_one_token_rows): the same
+    tokens, positions, last-token rows, cache slots, block table, lengths and kernel choice as the
+    general plan (_pack_chunks) gives, rows on scattered blocks, at and across block boundaries."""
+    config = json.loads((smollm2 / "config.json").read_text())
+    model = TorchLlamaForCausalLM.initialize_vllm_model(config, torch.device("cpu"), max_batch_size=8,
+                                                        max_seq_len=512, model_path=str(smollm2),
+                                                        dtype=torch.bfloat16)
+    kv, _ = _caches(model, 64, 32)
+    for positions in ([31], [0, 32, 63, 64, 100, 5, 159, 33], [200, 201, 202]):
+        rows = len(positions)
+        start = torch.tensor(positions)
+        table = torch.randperm(64, generator=torch.Generator().manual_seed(rows))[:rows * 7].reshape(rows, 7)
+        tokens = torch.randint(0, 49152, (rows, 1), generator=torch.Generator().manual_seed(1))
+        short = model._pack(tokens, start, start + 1, table, [0] * rows, kv)
+        general = model._pack_chunks(tokens, start, start + 1, table.long(), torch.ones(rows, dtype=torch.long),
+                                     [0] * rows, kv, every=False)
+        for name in ("tokens", "positions", "last"):
+            assert torch.equal(getattr(short, name), getattr(general, name)), (positions, name)
+        [(lane, a)], [(general_lane, b)] = short.lanes, general.lanes
+        assert lane == general_lane == 0 and (a.start, a.stop, a.isa) == (b.start, b.stop, b.isa)
+        for name in ("slots", "query_start_loc", "seq_lens", "block_table"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (positions, name)
+        assert (a.metadata is None) == (b.metadata is None)
+        if a.metadata is not None:
+            assert torch.equal(a.metadata, b.metadata)
