@@ -17,10 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 # allocate, fill and free sixteen buffers the size of 32 rows of SmolLM2's logits in float32
 # (6.3 MB each, 100 MB in all: a prefill's transients are of that order): prints the minor faults
 # of each of five later steps, and what keep_step_buffers answered. The cases judge the quietest
-# step: the count is the whole process's, and under a loaded machine the kernel's own page work
-# (THP collapse, compaction) lands a thousand stray faults in a step now and then (1,076 seen in CI). Whether glibc's defaults fault here
-# depends on the heap's history (which arena each thread's buffers land in, holes the load left):
-# the served figures are host_heap.py's (3,000-4,000 pages a decode step at c=32 without it).
+# step: the count is the whole process's, and on a loaded machine the kernel's own page work lands
+# a thousand stray faults in a step now and then (1,076 seen in CI). Whether glibc's defaults
+# fault here depends on the heap's history (which arena each thread's buffers land in, holes the
+# load left): the served figures are host_heap.py's (3,000-4,000 pages a decode step at c=32
+# without it).
 STEPS = """
 import json, resource, sys, torch
 from ttserve.worker.backends.torch import backend, host_heap

@@ -2,10 +2,13 @@
 the host-sampler options' path through it (logprobs, token history, validation)."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ttserve.control import config as control_config
 from ttserve.control.admission import AdmissionError, Limits, check_request
 from ttserve.control.blocks import BlockPool
 from ttserve.control.phase import PhasePolicy, default_streak
@@ -37,10 +40,6 @@ def scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 4,
 def test_decodes_wait_for_2048_prefill_tokens_worth_of_steps_by_default_and_a_flag_wins():
     """A CPU's 512-token steps run 4 in a row, 1024's 2, a device's 2048 still 2 (never fewer);
     the flag, when given, is the bound whatever the budget, and 0 is refused."""
-    import argparse
-
-    from ttserve.control import config as control_config
-
     assert [default_streak(b) for b in (64, 512, 1024, 2048, 8192)] == [32, 4, 2, 2, 2]
     parser = argparse.ArgumentParser()
     control_config.add_arguments(parser)

@@ -146,12 +146,15 @@ void ttserve_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pack
                        uint16_t *y, int64_t y_stride, int64_t rows, int64_t n, int64_t k, int epilogue) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     const int64_t tiles = (n + TILE_N - 1) / TILE_N, blocks = (rows + ROWS - 1) / ROWS;
-    const int64_t items = tiles * blocks, per_thread = items / (8 * omp_get_max_threads());
+    /* Chunks of about an eighth of a thread's share, at most one tile's row blocks. */
+    const int64_t items = tiles * blocks;
+    int64_t chunk = items / (8 * omp_get_max_threads());
+    chunk = chunk < 1 ? 1 : chunk > blocks ? blocks : chunk;
     work_shares shares;
-    shares_init(&shares, items, per_thread < 1 ? 1 : per_thread < blocks ? per_thread : blocks);
+    shares_init(&shares, items, chunk);
 #pragma omp parallel
     {
-        int64_t from = -1, lo, hi;
+        int64_t from = 0, lo, hi;
         while (shares_take(&shares, &from, &lo, &hi))
             for (int64_t item = lo; item < hi; item++) {
                 const int64_t tile = item / blocks, r = item % blocks * ROWS;

@@ -122,7 +122,7 @@ void ttserve_decode_step(const int64_t *layers, int64_t num_layers, uint16_t *h,
         shares_init(&shares, rows * kv_heads, 1);
 #pragma omp parallel
         {
-            int64_t from = -1, item, end;
+            int64_t from = 0, item, end; /* chunks of one item: end is item + 1 */
             while (shares_take(&shares, &from, &item, &end)) {
                 const int64_t r = item / kv_heads, kv = item % kv_heads;
                 uint16_t *row = qkv + r * qkv_width;

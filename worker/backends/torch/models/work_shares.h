@@ -53,10 +53,10 @@ static inline void shares_init(work_shares *s, int64_t items, int64_t chunk) {
 }
 
 /* Inside the region: the next [*lo, *hi) of items for the calling thread, 0 once every share is
- * claimed. *from starts at -1 (this thread's own share first, then the others' in turn). */
+ * claimed. *from, 0 at the first call, is how far the thread has walked from its own share to
+ * the others' (in turn after it). */
 static inline int shares_take(work_shares *s, int64_t *from, int64_t *lo, int64_t *hi) {
     const int64_t own = omp_get_thread_num() % s->threads;
-    if (*from < 0) *from = 0;
     for (; *from < s->threads; (*from)++) {
         work_share *share = &s->share[(own + *from) % s->threads];
         if (__atomic_load_n(&share->next, __ATOMIC_RELAXED) >= share->end) continue;
