@@ -41,6 +41,8 @@ EXPECTED = {
     # A CPU without AVX512-BF16 cannot run ttserve's GEMM: the benchmark says so.
     "gemm.py": [r'"onednn_over_ttserve": [0-9.]+|"skipped": "'],
     "decode_attention.py": [r'"kernel_ratio": [0-9.]+', r'"step_ratio": [0-9.]+'],
+    # A CPU without AVX512-BF16 cannot run ttserve's prefill kernel: the benchmark says so.
+    "prefill_attention.py": [r'"kernel_ratio": [0-9.]+|"skipped": "', r'"step_ratio": [0-9.]+|"skipped": "'],
     "sampling.py": [r'"vllm_over_ttserve": [0-9.]+|"skipped": "'],
     "sim_http.py": [r'"ttft_overhead_ms": -?[0-9.]+', r'"server_overhead_ms": -?[0-9.]+', r'"tpot_ratio": [0-9.]+',
                     r'"itl_ratio": [0-9.]+'],

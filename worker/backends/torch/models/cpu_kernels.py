@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import decode_attention, paged_kv
+from . import decode_attention, paged_kv, prefill_attention
 
 log = logging.getLogger(__name__)
 
@@ -259,14 +259,15 @@ class Attention:
     query_start_loc: torch.Tensor  # [rows + 1] int32
     seq_lens: torch.Tensor         # [rows] int32: context after this step
     block_table: torch.Tensor      # [rows, blocks] int32
-    metadata: torch.Tensor | None  # vLLM's kernel's work split over threads; None: ttserve's decode kernel
+    metadata: torch.Tensor | None  # vLLM's kernel's work split over threads; None: one of ttserve's
     isa: str                       # the kernels' instruction set (isa())
+    kernel: str = "vllm"           # "vllm", or ttserve's "decode" (decode_attention.c) or "prefill" kernel
 
     @classmethod
     def plan(cls, start: int, stop: int, slots: torch.Tensor, query_lens: torch.Tensor,
              seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, num_kv_heads: int,
              head_dim: int, block_size: int, dtype: torch.dtype, kernel_isa: str,
-             kv_split: bool = True, own_decode: bool = False) -> Attention:
+             kv_split: bool = True, own_decode: bool = False, own_prefill: bool = False) -> Attention:
         """kv_split: vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1), which keeps both cores busy on a
         single long row by splitting its keys over threads and merging their partial softmaxes.
         How a row is split depends on the other rows of the step, so its bits do too; off (batch
@@ -277,7 +278,12 @@ class Attention:
         (decode_attention.unavailable said ""). Then a decode step (one query a row) with at
         least two (row, KV head) pairs per thread runs it; fewer pairs than that, or a longest row
         that outweighs the rest (its KV heads cannot keep every thread busy), leave threads idle,
-        which vLLM's KV split does not."""
+        which vLLM's KV split does not.
+
+        own_prefill: likewise for ttserve's prefill kernel (prefill_attention.unavailable said
+        ""), which serves any other step whose (row, KV head, query tile) work items give every
+        thread at least two; fewer (a few queries of a long row) stay on vLLM's kernel, whose KV
+        split keeps the threads busy."""
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         seq_lens = seq_lens.to(torch.int32)
@@ -286,23 +292,33 @@ class Attention:
             raise ValueError(f"a row of {max(lengths)} tokens has a block table of {block_table.shape[1]} "
                              f"blocks of {block_size}")
         threads = torch.get_num_threads()
-        own = (own_decode and kv_split and len(lengths) * num_kv_heads >= 2 * threads
-               and max(lengths) * min(threads, num_kv_heads) <= sum(lengths)
-               and bool((query_lens == 1).all()))
-        metadata = None if own else torch.ops._C.get_scheduler_metadata(
+        decode = bool((query_lens == 1).all())
+        if (own_decode and kv_split and decode and len(lengths) * num_kv_heads >= 2 * threads
+                and max(lengths) * min(threads, num_kv_heads) <= sum(lengths)):
+            kernel = "decode"
+        elif (own_prefill and kv_split and not decode
+              and prefill_attention.work_items(query_lens.tolist(), num_heads, num_kv_heads) >= 2 * threads):
+            kernel = "prefill"
+        else:
+            kernel = "vllm"
+        metadata = None if kernel != "vllm" else torch.ops._C.get_scheduler_metadata(
             len(query_lens), num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc,
             True, -1, kernel_isa, kv_split, None, "auto")
         return cls(start, stop, slots, query_start_loc, seq_lens, block_table.to(torch.int32).contiguous(),
-                   metadata, kernel_isa)
+                   metadata, kernel_isa, kernel)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                  cache_v: torch.Tensor, out: torch.Tensor) -> None:
         """Writes k, v [tokens, kv_heads, head_dim] into the cache, then attends q [tokens, heads,
         head_dim] (causal, over each row's whole context) into out."""
         torch.ops._C.cpu_attn_reshape_and_cache(k, v, cache_k, cache_v, self.slots, self.isa)
-        if self.metadata is None:
+        if self.kernel == "decode":
             decode_attention.decode_attention(q, cache_k, cache_v, out, self.block_table, self.seq_lens,
                                               1.0 / math.sqrt(q.shape[-1]))
+            return
+        if self.kernel == "prefill":
+            prefill_attention.prefill_attention(q, cache_k, cache_v, out, self.block_table, self.seq_lens,
+                                                self.query_start_loc, 1.0 / math.sqrt(q.shape[-1]))
             return
         torch.ops._C.cpu_attention_with_kv_cache(
             q, cache_k, cache_v, out, self.query_start_loc, self.seq_lens, 1.0 / math.sqrt(q.shape[-1]),

@@ -53,7 +53,7 @@ from safetensors import safe_open
 
 from ttserve.worker.sampling import SamplingBatch, sample
 
-from . import bf16_gemm, cpu_kernels, decode_attention, paged_kv
+from . import bf16_gemm, cpu_kernels, decode_attention, paged_kv, prefill_attention
 from .decode_graph import DecodeGraph
 from .decode_step import DecodeStep
 from .linear import BatchInvarianceError, Linear, SwiGLU, rows_invariant
@@ -306,6 +306,7 @@ class TorchLlamaForCausalLM:
         self._decode_graph: DecodeGraph | None = None
         self.kernel_isa = ""  # set by allocate_kv_cache when the CPU kernels serve this model
         self.own_decode_attention = False  # and whether decode steps may run ttserve's kernel there
+        self.own_prefill_attention = False  # and other steps ttserve's prefill kernel
         # decode_step.c per lane's cache (by its first key view's address), or why not; per allocation.
         self._decode_steps: dict[int, DecodeStep | str] = {}
 
@@ -418,8 +419,13 @@ class TorchLlamaForCausalLM:
             self.own_decode_attention = not why_not
             log.info("decode attention at 2+ (row, KV head) pairs per thread: %s",
                      f"vLLM's kernel ({why_not})" if why_not else "ttserve's kernel (decode_attention.c)")
+            why_not = ("batch invariance" if self.batch_invariant else prefill_attention.unavailable(
+                dtype, self.shape.num_heads, kv_heads, head_dim, block_size, self.kernel_isa))
+            self.own_prefill_attention = not why_not
+            log.info("prefill attention at 2+ work items per thread: %s",
+                     f"vLLM's kernel ({why_not})" if why_not else "ttserve's kernel (prefill_attention.c)")
             return cpu_kernels.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim, dtype)
-        self.kernel_isa, self.own_decode_attention = "", False
+        self.kernel_isa, self.own_decode_attention, self.own_prefill_attention = "", False, False
         if self.device.type == "cpu" and dtype != torch.float32:
             log.info("attention, norms and RoPE run plain torch: %s", why)
         return paged_kv.allocate(self.lanes, num_layers, blocks + 1, kv_heads, block_size, head_dim,
@@ -452,7 +458,8 @@ class TorchLlamaForCausalLM:
         if self.batch_invariant:
             raise BatchInvarianceError("batch invariance needs vLLM CPU's attention kernel, which takes no "
                                        "per-layer KV buffers (hybrid KV cache groups)")
-        self.kernel_isa, self.own_decode_attention, self._decode_steps = "", False, {}
+        self.kernel_isa, self.own_decode_attention, self.own_prefill_attention = "", False, False
+        self._decode_steps = {}
         if self.device.type == "cpu" and dtype != torch.float32:
             log.info("attention, norms and RoPE run plain torch: per-layer KV buffers are paged_kv.py's")
         return paged_kv.allocate(self.lanes, len(specs), blocks + 1, kv_heads, block_size, head_dim, dtype,
@@ -790,7 +797,7 @@ class TorchLlamaForCausalLM:
             lanes.append((lane, cpu_kernels.Attention.plan(
                 lo, hi, slots, lens[rows], end[rows], table, s.num_heads, s.num_kv_heads, s.head_dim,
                 block_size, self.dtype, self.kernel_isa, kv_split=not self.batch_invariant,
-                own_decode=self.own_decode_attention)))
+                own_decode=self.own_decode_attention, own_prefill=self.own_prefill_attention)))
         return _Packed(chunk_tokens[row_of, within], positions, last, lanes)
 
     def _forward_packed(self, step: _Packed, kv_cache: KVCache) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""ttserve's C kernels (decode_attention.c, bf16_gemm.c, decode_step.c), built on the host that runs
-them and loaded beside torch.
+"""ttserve's C kernels (decode_attention.c, prefill_attention.c, bf16_gemm.c, decode_step.c), built
+on the host that runs them and loaded beside torch.
 
 Each source is compiled once per source text, compiler (and version), flags and CPU with the C
 compiler (CC, else cc) as `-O3 -march=native -ffast-math -fopenmp` into kernels/ of ttserve's

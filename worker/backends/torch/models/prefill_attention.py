@@ -1,0 +1,113 @@
+"""ttserve's own paged causal attention for prefill chunks in bfloat16 on a CPU
+(prefill_attention.c), built on the host that runs it.
+
+Why: vLLM CPU's kernel ("vec" ISA, no AMX) scores and weighs in float32 FMAs, 88-145 GFLOP/s on
+the 2-core EPYC, where the bfloat16 pair products (VDPBF16PS) that ttserve's GEMMs run at ~400
+could do the same work. Measured on SmolLM2's heads (9 query / 3 KV, head_dim 64, blocks of
+64), 30 layers, each with vLLM's KV write (benchmarks/prefill_attention.py gives the ratios): the
+figures are in that benchmark's docstring and the architecture notes.
+
+Where: the model decides once, at allocate_kv_cache, whether its prefill steps may use it
+(`unavailable()`: this host, the dtype, the shapes, the cache layout);
+cpu_kernels.Attention.plan decides per step whether a step has the work items to fill the
+threads. Batch invariance keeps vLLM's kernel (its bits per row are the contract there).
+
+Built and loaded by native_build.py. Without a compiler, a writable cache, AVX512-BF16 or torch
+on that one OpenMP runtime, `unavailable()` says why and vLLM's kernel serves every step.
+TTSERVE_PREFILL_ATTENTION=vllm turns it off (an A/B switch for benchmarks).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import native_build
+
+SOURCE = Path(__file__).with_name("prefill_attention.c")
+OFF_SWITCH = "TTSERVE_PREFILL_ATTENTION"
+LAYOUTS = ("vec", "vec16")  # vLLM's kernel ISAs whose cache layout the C code reads (not AMX's packing)
+_I, _P = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
+
+_kernel: ctypes._CFuncPtr | None = None
+_limits: tuple[int, int, int] = (0, 0, 0)  # query vectors per item, block size, head_dim
+_why: str | None = None  # None: not tried; "": loaded; else why not
+
+
+def _load() -> str:
+    """Builds and loads the kernel once per process; "" when it serves, else why not."""
+    global _kernel, _limits, _why
+    if _why is not None:
+        return _why
+    library = native_build.switched_off(OFF_SWITCH, "vllm") or native_build.load(SOURCE)
+    if isinstance(library, str):
+        _why = library
+        return _why
+    if not library.ttserve_prefill_attention_available():
+        _why = "this CPU has no AVX512-BF16 (the kernel's only path)"
+        return _why
+    limits = [ctypes.c_int64() for _ in range(3)]
+    library.ttserve_prefill_attention_limits(*[ctypes.byref(x) for x in limits])
+    _limits = tuple(x.value for x in limits)
+    _kernel = library.ttserve_prefill_attention
+    _kernel.argtypes, _kernel.restype = _ARGTYPES, ctypes.c_int
+    _why = ""
+    return _why
+
+
+def unavailable(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                kernel_isa: str) -> str:
+    """Why the kernel cannot run this attention, on a cache vLLM's `kernel_isa` kernel lays out,
+    here; "" when it can."""
+    if dtype != torch.bfloat16:
+        return f"it computes bfloat16 only, not {dtype}"
+    if kernel_isa not in LAYOUTS:
+        return f"it reads the cache layout of vLLM's {'/'.join(LAYOUTS)} kernels, not {kernel_isa}'s"
+    why = _load()
+    if why:
+        return why
+    max_m, max_block, max_head_dim = _limits
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > max_m:
+        return f"{num_heads} query heads over {num_kv_heads} KV heads (at most {max_m} per KV head)"
+    if head_dim % 16 or head_dim > max_head_dim:
+        return f"head_dim {head_dim} (multiples of 16 up to {max_head_dim})"
+    if block_size % 32 or block_size > max_block:
+        return f"block size {block_size} (multiples of 32 up to {max_block})"
+    return ""
+
+
+def work_items(query_lens: list[int], num_heads: int, num_kv_heads: int) -> int:
+    """How many work items (row, KV head, tile of queries) the kernel splits a step into: the
+    threads' share of it is what decides whether it fills them."""
+    tile = max(1, _limits[0] // (num_heads // num_kv_heads)) if _limits[0] else 1
+    return sum(-(-n // tile) for n in query_lens) * num_kv_heads
+
+
+def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                      block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      scale: float) -> None:
+    """out[t] = softmax(q[t] K_r^T * scale) V_r over the keys of row r up to token t's own
+    position, for every token t of row r's chunk (query_start_loc[r] .. [r + 1]), the chunk being
+    the last tokens of its seq_lens[r]: q [tokens, heads, head_dim] (last dim contiguous), out
+    contiguous, the caches vLLM CPU's [blocks, kv_heads, block_size, head_dim] views;
+    block_table, seq_lens and query_start_loc contiguous int32. unavailable() must have said ""
+    for these shapes."""
+    if _kernel is None:
+        raise RuntimeError("prefill_attention.unavailable() must say \"\" first")
+    tokens, heads, head_dim = q.shape
+    rows = seq_lens.shape[0]
+    # What the C code trusts (the table's width against the rows' lengths is
+    # cpu_kernels.Attention.plan's check, once a step).
+    if not (q.stride(2) == 1 and out.is_contiguous() and out.shape == q.shape and block_table.is_contiguous()
+            and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+            and block_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
+            and block_table.shape[0] >= rows and query_start_loc.shape[0] == rows + 1
+            and key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1):
+        raise ValueError("prefill_attention: inputs of another layout than the kernel reads")
+    if _kernel(q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+               key_cache.stride(0), key_cache.stride(1), out.data_ptr(), block_table.data_ptr(),
+               block_table.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), rows, heads,
+               key_cache.shape[1], head_dim, key_cache.shape[2], scale) != 0:
+        raise MemoryError("prefill_attention: no host memory for the step's work plan")
