@@ -12,7 +12,8 @@ is better for ttserve; TTFT, TPOT: lower is), each round's ratios as well as the
 time each process of a server spent per output token at each concurrency (on a machine of few
 cores, every process's time is time the model's threads wait for: a figure that, unlike tok/s,
 moves little with the machine's memory bandwidth),
-start-up seconds, and per-process RSS at ready and after the load. The KV cache is allocated
+start-up seconds, and per-process RSS at ready and after the load (and the processes' PSS
+together, which counts a page they share once). The KV cache is allocated
 zeroed (resident) by both; "non-KV" subtracts it. Each round also times the weight-read bound
 of one decode step on this machine (weight_bound.py: a bf16 GEMV over the model's own weight
 shapes, with nothing else running) and prints both servers' c=1 TPOT as a multiple of it, so
@@ -100,6 +101,11 @@ class Server:
     def rss(self) -> dict[str, float]:
         """GiB resident per process of the server (the leader and every descendant)."""
         return self._each_process(lambda p: p.memory_info().rss / GIB, by_pid=True)
+
+    def pss(self) -> float:
+        """GiB proportional set size of the server's processes together: each page shared between
+        them (a library both map, libtorch above all) counted once, where RSS counts it in each."""
+        return sum(self._each_process(lambda p: p.memory_full_info().pss / GIB, by_pid=True).values())
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) so far per process of the server."""
@@ -232,7 +238,8 @@ def run_server(client: BenchClient, server: Server, model: Path, name: str, leve
             print(f"  {server.name} c={c}: {runs[c]['output_tok_s']:.1f} tok/s, TTFT p50 "
                   f"{runs[c]['ttft_p50_ms']:.0f} ms, TPOT p50 {runs[c]['tpot_p50_ms']:.1f} ms; CPU ms per output "
                   f"token: {', '.join(f'{proc} {ms:g}' for proc, ms in cpu.items() if ms)}", flush=True)
-        return {"startup_s": startup, "rss_ready_gib": at_ready, "rss_after_gib": server.rss(), "runs": runs}
+        return {"startup_s": startup, "rss_ready_gib": at_ready, "rss_after_gib": server.rss(),
+                "pss_after_gib": server.pss(), "runs": runs}
     finally:
         server.stop()
 
@@ -283,10 +290,12 @@ def report(results: dict[str, list[dict]], levels: list[int], kv_bytes: int) -> 
         total_ready, total_after = sum(last["rss_ready_gib"].values()), sum(last["rss_after_gib"].values())
         summary[name] = {"startup_s": startup, "rss_ready_gib": last["rss_ready_gib"],
                          "rss_after_gib": last["rss_after_gib"], "rss_total_after_gib": total_after,
-                         "rss_non_kv_after_gib": total_after - kv_bytes / GIB}
+                         "rss_non_kv_after_gib": total_after - kv_bytes / GIB,
+                         "pss_non_kv_after_gib": last["pss_after_gib"] - kv_bytes / GIB}
         print(f"\n{name}: start-up to serving {startup:.1f} s; RSS at ready {total_ready:.2f} GiB, after load "
               f"{total_after:.2f} GiB ({total_after - kv_bytes / GIB:.2f} GiB without the "
-              f"{kv_bytes / GIB:g} GiB KV cache)")
+              f"{kv_bytes / GIB:g} GiB KV cache; PSS, shared pages once: "
+              f"{last['pss_after_gib'] - kv_bytes / GIB:.2f} GiB)")
         for proc, gib in last["rss_after_gib"].items():
             print(f"  {proc}: {gib * 1024:.0f} MiB")
     print(f"\nratio start-up ttserve / vLLM: {summary['ttserve']['startup_s'] / summary['vllm']['startup_s']:.2f}")
