@@ -121,8 +121,9 @@ def main() -> int:
                                                         model_path=str(model_path), dtype=BF16)
     report = {"threads": torch.get_num_threads(), "kernel": [], "step": []}
     for rows, chunk, context in args.shapes:
-        if prefill_attention.work_items([chunk] * rows, HEADS, KV_HEADS) < 2 * torch.get_num_threads():
-            parser.error(f"{rows}x{chunk}@{context} has too few work items for ttserve's kernel on "
+        if not prefill_attention.fills_threads([chunk] * rows, [context] * rows, HEADS, KV_HEADS,
+                                               torch.get_num_threads()):
+            parser.error(f"{rows}x{chunk}@{context} cannot keep ttserve's kernel's threads busy on "
                          f"{torch.get_num_threads()} threads (vLLM's serves it)")
         report["kernel"].append(kernel_figures(rows, chunk, context, args.repeats))
         report["step"].append(step_figures(model, rows, chunk, context, args.repeats))

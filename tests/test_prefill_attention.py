@@ -103,6 +103,9 @@ CASES = [  # heads, kv heads, head_dim, block, (context, queries) per row
     (16, 1, 64, 64, [(90, 90)]),                             # 16 per KV head: tiles of 3 queries
     (4, 4, 96, 64, [(70, 31), (5, 5)]),                      # no grouping; head_dim 96
     (8, 2, 80, 64, [(77, 77)]),                              # head_dim 80 (a half vector of pairs)
+    (8, 2, 112, 128, [(301, 129), (7, 7)]),                  # head_dim 112, blocks of 128, odd lengths
+    (4, 1, 128, 128, [(255, 255)]),                          # the largest head_dim and block
+    (48, 1, 64, 64, [(50, 50), (20, 0), (9, 9)]),            # 48 heads on one KV head (tiles of one query); a row with no queries
 ]
 
 
@@ -168,6 +171,9 @@ def test_a_step_plans_the_kernel_for_chunks_that_fill_the_threads_and_vllms_othe
         # each; vLLM's kernel splits the row's keys over its threads instead.
         torch.set_num_threads(2)
         assert _plan([5], lens=[4000]).kernel == "vllm"
+        assert _plan([512], lens=[4000]).kernel == "prefill"  # a long row's whole chunk: 96 items
+        # 12 items, but the 3 of the long row's one tile weigh 99% of the step: vLLM's splits them
+        assert _plan([16, 40], lens=[8000, 40]).kernel == "vllm"
         torch.set_num_threads(1)
         assert _plan([5], lens=[4000]).kernel == "prefill"
     finally:

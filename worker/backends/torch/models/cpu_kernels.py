@@ -281,9 +281,9 @@ class Attention:
         which vLLM's KV split does not.
 
         own_prefill: likewise for ttserve's prefill kernel (prefill_attention.unavailable said
-        ""), which serves any other step whose (row, KV head, query tile) work items give every
-        thread at least two; fewer (a few queries of a long row) stay on vLLM's kernel, whose KV
-        split keeps the threads busy."""
+        ""), which serves any other step whose (row, KV head, query tile) work items keep the
+        threads busy (prefill_attention.fills_threads); a few queries of a long row stay on vLLM's
+        kernel, whose KV split does."""
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         seq_lens = seq_lens.to(torch.int32)
@@ -297,7 +297,7 @@ class Attention:
                 and max(lengths) * min(threads, num_kv_heads) <= sum(lengths)):
             kernel = "decode"
         elif (own_prefill and kv_split and not decode
-              and prefill_attention.work_items(query_lens.tolist(), num_heads, num_kv_heads) >= 2 * threads):
+              and prefill_attention.fills_threads(query_lens.tolist(), lengths, num_heads, num_kv_heads, threads)):
             kernel = "prefill"
         else:
             kernel = "vllm"

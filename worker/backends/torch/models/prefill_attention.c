@@ -9,7 +9,7 @@
  * Work items are (row, KV head, tile of queries): a tile's queries times the KV head's query
  * heads are up to MAX_M query vectors, all scored against one block of keys at a time, so each
  * block is read and repacked once per tile, not once per query. Items are one thread's each
- * (results never depend on the thread count or on the other rows), taken longest first.
+ * (results never depend on the thread count or on the other rows), the costliest first.
  *
  * Both products are bfloat16 pairs summed in float32 (VDPBF16PS): the block's keys and values are
  * repacked into the pairs each product's operand order wants (a key's dimensions d, d + 1; a
@@ -141,6 +141,17 @@ static inline __attribute__((always_inline)) void pv(const int M, const int DV, 
         for (int j = 0; j < DV; j++) _mm512_storeu_ps(acc + m * MAX_HEAD_DIM + d0 + 16 * j, a[m][j]);
 }
 
+/* A tile of a row's queries and its cost, for taking the costliest first. */
+struct tile_work {
+    int64_t cost, row, first;
+};
+
+static int costlier_first(const void *a, const void *b) {
+    const struct tile_work *x = a, *y = b;
+    if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
+    return x->row != y->row ? (x->row < y->row ? -1 : 1) : (x->first < y->first ? -1 : x->first > y->first);
+}
+
 #define QK_CASE(M_, TK_) case (M_) * 8 + (TK_): qk(M_, TK_, qp[m0], pairs, kp, block_size, t0, scale, s[m0]); break;
 #define QK_ROW(M_) QK_CASE(M_, 1) QK_CASE(M_, 2) QK_CASE(M_, 3) QK_CASE(M_, 4)
 #define PV_CASE(M_, DV_) case (M_) * 8 + (DV_): pv(M_, DV_, pp[m0], npairs, vp, head_dim, d0, acc[m0]); break;
@@ -242,30 +253,33 @@ int ttserve_prefill_attention(const uint16_t *q, int64_t q_token_stride, int64_t
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int64_t group = num_heads / kv_heads;
     const int64_t tile = MAX_M / group; /* queries per item */
-    int64_t *tiles = malloc(sizeof(int64_t) * (rows + 1)); /* items before row r: tiles[r] * kv_heads */
-    if (!tiles) return -1;
-    tiles[0] = 0;
+    int64_t tiles = 0;
+    for (int64_t r = 0; r < rows; r++) tiles += (query_start_loc[r + 1] - query_start_loc[r] + tile - 1) / tile;
+    struct tile_work *order = malloc(sizeof(struct tile_work) * (tiles ? tiles : 1));
+    if (!order) return -1;
+    int64_t k = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
-        tiles[r + 1] = tiles[r] + (qlen + tile - 1) / tile;
+        for (int64_t first = 0; first < qlen; first += tile, k++) {
+            const int64_t count = qlen - first < tile ? qlen - first : tile;
+            order[k] = (struct tile_work){count * (seq_lens[r] - qlen + first + count), r, first};
+        }
     }
-    const int64_t items = tiles[rows] * kv_heads;
-    /* Longest first: an item's cost grows with its tile's last position, so items are taken from
-     * each row's last tile back (dynamic: the costs are unequal). */
+    /* Costliest first (queries times the keys they see), so that the last items taken, which
+     * decide when the step ends, are short ones: dynamic, the costs being unequal. */
+    qsort(order, (size_t)tiles, sizeof(struct tile_work), costlier_first);
+    const int64_t items = tiles * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t k = 0; k < items; k++) {
-        const int64_t item = items - 1 - k;
-        const int64_t kv = item % kv_heads, t = item / kv_heads;
-        int64_t r = 0;
-        while (tiles[r + 1] <= t) r++;
+    for (int64_t item = 0; item < items; item++) {
+        const struct tile_work *w = &order[item / kv_heads];
+        const int64_t r = w->row;
         const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
-        const int64_t first = (t - tiles[r]) * tile;
-        const int64_t count = qlen - first < tile ? qlen - first : tile;
+        const int64_t count = qlen - w->first < tile ? qlen - w->first : tile;
         attend_tile(q, q_token_stride, q_head_stride, key_cache, value_cache, block_stride, head_stride, out,
-                    block_table + r * table_width, query_start_loc[r], qlen, seq_lens[r], first, count, kv,
-                    num_heads, group, head_dim, block_size, scale);
+                    block_table + r * table_width, query_start_loc[r], qlen, seq_lens[r], w->first, count,
+                    item % kv_heads, num_heads, group, head_dim, block_size, scale);
     }
-    free(tiles);
+    free(order);
     return 0;
 #else
     return -1;

@@ -78,11 +78,19 @@ def unavailable(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim:
     return ""
 
 
-def work_items(query_lens: list[int], num_heads: int, num_kv_heads: int) -> int:
-    """How many work items (row, KV head, tile of queries) the kernel splits a step into: the
-    threads' share of it is what decides whether it fills them."""
-    tile = max(1, _limits[0] // (num_heads // num_kv_heads)) if _limits[0] else 1
-    return sum(-(-n // tile) for n in query_lens) * num_kv_heads
+def fills_threads(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
+                  threads: int) -> bool:
+    """Whether the kernel's work items (row, KV head, tile of queries) keep `threads` threads busy
+    on this step: at least two items a thread, and no item above half a thread's share of the
+    work (queries times the keys each sees), so that taking the costliest first ends the step
+    within 1.5 shares. A few queries of one long row fail the second (vLLM's kernel splits the
+    row's keys over the threads instead)."""
+    group = num_heads // num_kv_heads
+    tile = max(1, _limits[0] // group) if _limits[0] else 1
+    items = sum(-(-q // tile) for q in query_lens) * num_kv_heads
+    total = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens)) * num_kv_heads
+    costliest = max((min(q, tile) * s for q, s in zip(query_lens, seq_lens) if q), default=0)
+    return items >= 2 * threads and costliest * 2 * threads <= total
 
 
 def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
