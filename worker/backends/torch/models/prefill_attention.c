@@ -141,6 +141,50 @@ static inline __attribute__((always_inline)) void pv(const int M, const int DV, 
         for (int j = 0; j < DV; j++) _mm512_storeu_ps(acc + m * MAX_HEAD_DIM + d0 + 16 * j, a[m][j]);
 }
 
+/* The larger of `floor` and the first `seen` scores (none when seen <= 0). */
+static inline float block_max(const float *s, int64_t seen, float floor) {
+    __m512 best = _mm512_set1_ps(floor);
+    for (int64_t t = 0; t < seen; t += 16) {
+        const __mmask16 valid = seen - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - t)) - 1);
+        best = _mm512_mask_max_ps(best, valid, best, _mm512_maskz_loadu_ps(valid, s + t));
+    }
+    return _mm512_reduce_max_ps(best);
+}
+
+/* e^x for x <= 0 (below -87, 0), float32 to ~2 ulp: 2^(x log2 e) as 2^k times a degree-6
+ * polynomial of the fraction in [-1/2, 1/2] (its Taylor series; the remainder is ~1e-7). */
+static inline __m512 exp_nonpositive(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, k);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* p[t] = e^(s[t] - m) rounded to bfloat16 (to nearest even) for t < seen, 0 from there to n
+ * rounded up to 32 (the value pairs' zero padding); returns the float32 sum of the weights. */
+static inline float weigh(const float *s, int64_t seen, int64_t n, float m, uint32_t *p) {
+    const __m512 top = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 32) {
+        __m512 e[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t left = seen - t - 16 * h;
+            const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+            e[h] = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t + 16 * h), top)));
+            sum = _mm512_add_ps(sum, e[h]);
+        }
+        _mm512_storeu_si512(p + t / 2, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0])); /* keys t .. t + 31 */
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
 /* A tile of a row's queries and its cost, for taking the costliest first. */
 struct tile_work {
     int64_t cost, row, first;
@@ -201,25 +245,14 @@ static void attend_tile(const uint16_t *q, int64_t q_token_stride, int64_t q_hea
         }
         const int64_t base = b * block_size;
         for (int64_t m = 0; m < vectors; m++) {
-            float *sm = s[m];
             /* Keys past the query's own position (the causal mask) and past n: no weight. */
             const int64_t seen = last[m] - base + 1 < n ? last[m] - base + 1 : n;
-            float block_max = NEG_BIG;
-            for (int64_t t = 0; t < seen; t++) block_max = sm[t] > block_max ? sm[t] : block_max;
-            const float m_new = block_max > mx[m] ? block_max : mx[m];
+            const float m_new = block_max(s[m], seen, mx[m]);
             const float correction = expf(mx[m] - m_new);
-            float sum = 0.0f;
-            for (int64_t t = 0; t < seen; t++) {
-                sm[t] = expf(sm[t] - m_new);
-                sum += sm[t];
-            }
-            for (int64_t t = seen < 0 ? 0 : seen; t < ((n + 1) & ~(int64_t)1); t++) sm[t] = 0.0f;
-            l[m] = l[m] * correction + sum;
+            l[m] = l[m] * correction + weigh(s[m], seen, n, m_new, pp[m]);
             mx[m] = m_new;
             if (correction != 1.0f)
                 for (int64_t d = 0; d < head_dim; d++) acc[m][d] *= correction;
-            uint16_t *pb = (uint16_t *)pp[m];
-            for (int64_t t = 0; t < ((n + 1) & ~(int64_t)1); t++) pb[t] = f32_to_bf16(sm[t]);
         }
         const int64_t npairs = (n + 1) / 2;
         for (int64_t m0 = 0; m0 < vectors; m0 += MR) {
