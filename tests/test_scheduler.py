@@ -183,6 +183,19 @@ def test_kv_pressure_preempts_latest_and_resume_recomputes():
     assert s.pool.num_free == s.pool.num_blocks
 
 
+def test_a_finished_requests_release_waits_for_the_next_step_instead_of_making_one():
+    s = scheduler()
+    r = make("a", 5, max_tokens=2)
+    s.add(r)
+    while s.has_work:
+        run_step(s)
+    assert r.is_finished and s.pool.num_free == s.pool.num_blocks  # its blocks are free at once
+    assert not s.has_work  # nothing to run: no step only to drop the worker's state
+    s.add(make("b", 3))
+    plan = s.schedule()
+    assert plan.released_ids == ["a"] and [w.request.request_id for w in plan.prefill] == ["b"]
+
+
 def test_resumed_request_prefills_prompt_and_outputs_then_samples_next():
     s = scheduler()
     r = make("a", 4, max_tokens=10)
