@@ -385,7 +385,9 @@ def test_streams_survive_a_frozen_control_plane_on_a_standby_the_worker_probes_i
         # its log) or by keepalive, whichever came first (a ping due just before the freeze ends
         # the stream 10 s after it); the test above runs the probe alone.
         first.proc.send_signal(signal.SIGCONT)
-        lost = re.compile(r"worker at \S+ (ended the step stream|failed)")
+        # It learns on its next step's write or read, or, idle (its requests aborted with the
+        # session: their releases wait for a next step), from the stream's end itself.
+        lost = re.compile(r"worker at \S+ (ended the step stream|failed|went away)")
         deadline = time.monotonic() + 30
         while not lost.search(first.output()) and time.monotonic() < deadline:
             time.sleep(0.5)
