@@ -30,12 +30,11 @@ from pathlib import Path
 
 import torch
 
-from . import native_build
+from . import native_build, vllm_cache_layout
 
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 OFF_SWITCH = "TTSERVE_DECODE_ATTENTION"
-LAYOUTS = ("vec", "vec16")  # vLLM's kernel ISAs whose cache layout the C code reads (not AMX's packing)
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]
 
@@ -68,21 +67,9 @@ def unavailable(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim:
                 kernel_isa: str) -> str:
     """Why the kernel cannot run this attention, on a cache vLLM's `kernel_isa` kernel lays out,
     here; "" when it can."""
-    if dtype != torch.bfloat16:
-        return f"it computes bfloat16 only, not {dtype}"
-    if kernel_isa not in LAYOUTS:
-        return f"it reads the cache layout of vLLM's {'/'.join(LAYOUTS)} kernels, not {kernel_isa}'s"
-    why = _load()
-    if why:
-        return why
-    max_group, max_block, max_head_dim = _limits
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > max_group:
-        return f"{num_heads} query heads over {num_kv_heads} KV heads (at most {max_group} per KV head)"
-    if head_dim % 16 or head_dim > max_head_dim:
-        return f"head_dim {head_dim} (multiples of 16 up to {max_head_dim})"
-    if block_size % 16 or block_size > max_block:
-        return f"block size {block_size} (multiples of 16 up to {max_block})"
-    return ""
+    why = vllm_cache_layout.unreadable(dtype, kernel_isa) or _load()
+    return why or vllm_cache_layout.shape_refusal(num_heads, num_kv_heads, head_dim, block_size, *_limits,
+                                                  block_multiple=16)
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
