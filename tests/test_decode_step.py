@@ -72,15 +72,27 @@ def test_one_call_computes_the_bits_of_the_operators_it_replaces(smollm2, monkey
 
 def test_one_row_on_two_threads_stays_within_the_split_kernels_rounding(smollm2, monkeypatch):
     """One row on two threads: the per-operator path attends with vLLM's kernel (its keys split
-    over the threads, other roundings), the fused step with ttserve's. Calibration on the 2-core
-    EPYC: at most 0.25 apart over these logits, 0.048 on average in the worst step
-    (test_bf16_gemm's figure for vLLM's kernel with and without its split: 0.75 and 0.134)."""
+    over the threads, other roundings), the fused step with ttserve's. Both are judged against
+    the float32 model fed the same tokens: the fused step's logits no further from them than the
+    per-operator path's, beyond a bf16 step. (The two paths' difference alone depends on the
+    cache's state: 0.048 on average at worst with vLLM's prefill kernel, 0.29 in one step with
+    ttserve's, where the per-operator path was the one 0.20 from float32 and the fused 0.09.)"""
     model, kv, table = _model(smollm2, 1, monkeypatch)
     results = _decode_both_ways(model, kv, table, 1, 6, threads=2)
+    config = json.loads((smollm2 / "config.json").read_text())
+    exact = TorchLlamaForCausalLM.initialize_vllm_model(config, "cpu", 1, 512, model_path=str(smollm2),
+                                                        dtype=torch.float32)
+    exact_kv = exact.allocate_kv_cache((4, 3, 64, 64), torch.float32, config["num_hidden_layers"])
+    generator = torch.Generator().manual_seed(1)  # _decode_both_ways's prompt and first token
+    exact.prefill_forward(torch.randint(0, 49152, (1, 150), generator=generator), table, exact_kv, prompt_lens=[150])
+    tokens = torch.randint(0, 49152, (1, 1), generator=generator)
     # (A greedy comparison here would be vacuous: random prompts leave no clear top token.)
-    for fused, _, plain, _ in results:
-        difference = (fused - plain).abs()
-        assert difference.max() < 1.0 and difference.mean() < 0.1
+    for step, (fused, _, plain, _) in enumerate(results):
+        reference = exact.decode_forward(tokens, torch.tensor([150 + step]), table, exact_kv)[:, 0]
+        ours, theirs = (fused.float() - reference).abs(), (plain.float() - reference).abs()
+        assert ours.max() <= theirs.max() + 0.5 and ours.mean() <= theirs.mean() + 0.05, \
+            (step, ours.max(), theirs.max(), ours.mean(), theirs.mean())
+        tokens = plain.argmax(-1)[:, None]
 
 
 def test_the_model_says_why_it_keeps_the_operators(smollm2, monkeypatch):
