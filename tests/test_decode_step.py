@@ -27,19 +27,24 @@ def _model(smollm2, rows: int, monkeypatch) -> tuple[TorchLlamaForCausalLM, list
     return model, kv, torch.arange(rows * 4).reshape(rows, 4)
 
 
-def _decode_both_ways(model: TorchLlamaForCausalLM, kv: list, table: torch.Tensor, rows: int, steps: int,
-                      threads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per step, from one cache state: (fused logits, fused cache, per-operator logits, its cache)."""
+def _inputs(rows: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Each row's prompt length, the prompts [rows, longest] and the first decode step's tokens [rows, 1]."""
     generator = torch.Generator().manual_seed(rows)
     lens = [150 + 7 * r for r in range(rows)]
     prompt = torch.randint(0, 49152, (rows, max(lens)), generator=generator)
+    return lens, prompt, torch.randint(0, 49152, (rows, 1), generator=generator)
+
+
+def _decode_both_ways(model: TorchLlamaForCausalLM, kv: list, table: torch.Tensor, rows: int, steps: int,
+                      threads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per step, from one cache state: (fused logits, fused cache, per-operator logits, its cache)."""
+    lens, prompt, tokens = _inputs(rows)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model.prefill_forward(prompt, table, kv, prompt_lens=lens)
         storage = torch.empty(0, dtype=BF16).set_(kv[0][0][0].untyped_storage())
         key = kv[0][0][0].data_ptr()
-        tokens = torch.randint(0, 49152, (rows, 1), generator=generator)
         out = []
         for step in range(steps):
             positions = torch.tensor(lens) + step
@@ -83,12 +88,11 @@ def test_one_row_on_two_threads_stays_within_the_split_kernels_rounding(smollm2,
     exact = TorchLlamaForCausalLM.initialize_vllm_model(config, "cpu", 1, 512, model_path=str(smollm2),
                                                         dtype=torch.float32)
     exact_kv = exact.allocate_kv_cache((4, 3, 64, 64), torch.float32, config["num_hidden_layers"])
-    generator = torch.Generator().manual_seed(1)  # _decode_both_ways's prompt and first token
-    exact.prefill_forward(torch.randint(0, 49152, (1, 150), generator=generator), table, exact_kv, prompt_lens=[150])
-    tokens = torch.randint(0, 49152, (1, 1), generator=generator)
+    lens, prompt, tokens = _inputs(1)  # what _decode_both_ways fed the bf16 paths
+    exact.prefill_forward(prompt, table, exact_kv, prompt_lens=lens)
     # (A greedy comparison here would be vacuous: random prompts leave no clear top token.)
     for step, (fused, _, plain, _) in enumerate(results):
-        reference = exact.decode_forward(tokens, torch.tensor([150 + step]), table, exact_kv)[:, 0]
+        reference = exact.decode_forward(tokens, torch.tensor(lens) + step, table, exact_kv)[:, 0]
         ours, theirs = (fused.float() - reference).abs(), (plain.float() - reference).abs()
         assert ours.max() <= theirs.max() + 0.5 and ours.mean() <= theirs.mean() + 0.05, \
             (step, ours.max(), theirs.max(), ours.mean(), theirs.mean())

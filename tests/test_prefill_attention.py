@@ -233,10 +233,9 @@ def test_smollm2_prefills_a_prompt_in_chunks_alike_on_either_kernel(smollm2, mon
         out = []
         for start in range(0, len(prompt), chunk):
             end = min(start + chunk, len(prompt))
-            short_end = min(max(end, start), len(short))
-            rows = [0, 1] if start < len(short) else [0]
-            logits = model.prefill_forward(tokens[rows], table[rows], kv, [end, short_end][:len(rows)],
-                                           start_pos=[start, start][:len(rows)])
+            rows = [0, 1] if start < len(short) else [0]  # the short prompt ends in the first chunk
+            logits = model.prefill_forward(tokens[rows], table[rows], kv, [end, min(end, len(short))][:len(rows)],
+                                           start_pos=[start] * len(rows))
             out.append(logits.reshape(len(rows), -1))
         return out
 

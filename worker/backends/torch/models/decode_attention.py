@@ -39,7 +39,7 @@ _I, _P = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float]
 
 _kernel: ctypes._CFuncPtr | None = None
-_limits: tuple[int, int, int] = (0, 0, 0)  # most query heads per KV head, block size, head_dim
+_limits: vllm_cache_layout.Limits = (0, 0, 0)
 _why: str | None = None  # None: not tried; "": loaded; else why not
 
 
@@ -48,16 +48,13 @@ def _load() -> str:
     global _kernel, _limits, _why
     if _why is not None:
         return _why
-    library = native_build.switched_off(OFF_SWITCH, "vllm") or native_build.load(SOURCE)
-    if isinstance(library, str):
-        _why = library
+    loaded = vllm_cache_layout.load_kernel(SOURCE, OFF_SWITCH, "ttserve_decode_attention_vector_bits",
+                                           "this CPU has no AVX-512 (the kernel's only vector path)",
+                                           "ttserve_decode_attention_limits")
+    if isinstance(loaded, str):
+        _why = loaded
         return _why
-    if library.ttserve_decode_attention_vector_bits() != 512:
-        _why = "this CPU has no AVX-512 (the kernel's only vector path)"
-        return _why
-    limits = [ctypes.c_int64() for _ in range(3)]
-    library.ttserve_decode_attention_limits(*[ctypes.byref(x) for x in limits])
-    _limits = tuple(x.value for x in limits)
+    library, _limits = loaded
     _kernel = native_build.void_function(library, "ttserve_decode_attention", _ARGTYPES)
     _why = ""
     return _why

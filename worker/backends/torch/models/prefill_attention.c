@@ -185,9 +185,10 @@ static inline float weigh(const float *s, int64_t seen, int64_t n, float m, uint
     return _mm512_reduce_add_ps(sum);
 }
 
-/* A tile of a row's queries and its cost, for taking the costliest first. */
+/* A tile of a row's queries (count of them from its query first) and its cost, for taking the
+ * costliest first. */
 struct tile_work {
-    int64_t cost, row, first;
+    int64_t cost, row, first, count;
 };
 
 static int costlier_first(const void *a, const void *b) {
@@ -295,7 +296,7 @@ int ttserve_prefill_attention(const uint16_t *q, int64_t q_token_stride, int64_t
         const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
         for (int64_t first = 0; first < qlen; first += tile, k++) {
             const int64_t count = qlen - first < tile ? qlen - first : tile;
-            order[k] = (struct tile_work){count * (seq_lens[r] - qlen + first + count), r, first};
+            order[k] = (struct tile_work){count * (seq_lens[r] - qlen + first + count), r, first, count};
         }
     }
     /* Costliest first (queries times the keys they see), so that the last items taken, which
@@ -306,10 +307,9 @@ int ttserve_prefill_attention(const uint16_t *q, int64_t q_token_stride, int64_t
     for (int64_t item = 0; item < items; item++) {
         const struct tile_work *w = &order[item / kv_heads];
         const int64_t r = w->row;
-        const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
-        const int64_t count = qlen - w->first < tile ? qlen - w->first : tile;
         attend_tile(q, q_token_stride, q_head_stride, key_cache, value_cache, block_stride, head_stride, out,
-                    block_table + r * table_width, query_start_loc[r], qlen, seq_lens[r], w->first, count,
+                    block_table + r * table_width, query_start_loc[r], query_start_loc[r + 1] - query_start_loc[r],
+                    seq_lens[r], w->first, w->count,
                     item % kv_heads, num_heads, group, head_dim, block_size, scale);
     }
     free(order);

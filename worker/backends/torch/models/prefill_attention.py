@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import native_build, vllm_cache_layout
+from . import vllm_cache_layout
 
 SOURCE = Path(__file__).with_name("prefill_attention.c")
 OFF_SWITCH = "TTSERVE_PREFILL_ATTENTION"
@@ -33,7 +33,7 @@ _I, _P = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
 
 _kernel: ctypes._CFuncPtr | None = None
-_limits: tuple[int, int, int] = (0, 0, 0)  # query vectors per item, block size, head_dim
+_limits: vllm_cache_layout.Limits = (0, 0, 0)  # its first: query vectors per work item
 _why: str | None = None  # None: not tried; "": loaded; else why not
 
 
@@ -42,16 +42,13 @@ def _load() -> str:
     global _kernel, _limits, _why
     if _why is not None:
         return _why
-    library = native_build.switched_off(OFF_SWITCH, "vllm") or native_build.load(SOURCE)
-    if isinstance(library, str):
-        _why = library
+    loaded = vllm_cache_layout.load_kernel(SOURCE, OFF_SWITCH, "ttserve_prefill_attention_available",
+                                           "this CPU has no AVX512-BF16 (the kernel's only path)",
+                                           "ttserve_prefill_attention_limits")
+    if isinstance(loaded, str):
+        _why = loaded
         return _why
-    if not library.ttserve_prefill_attention_available():
-        _why = "this CPU has no AVX512-BF16 (the kernel's only path)"
-        return _why
-    limits = [ctypes.c_int64() for _ in range(3)]
-    library.ttserve_prefill_attention_limits(*[ctypes.byref(x) for x in limits])
-    _limits = tuple(x.value for x in limits)
+    library, _limits = loaded
     _kernel = library.ttserve_prefill_attention
     _kernel.argtypes, _kernel.restype = _ARGTYPES, ctypes.c_int
     _why = ""
@@ -75,7 +72,7 @@ def fills_threads(query_lens: list[int], seq_lens: list[int], num_heads: int, nu
     within 1.5 shares. A few queries of one long row fail the second (vLLM's kernel splits the
     row's keys over the threads instead)."""
     group = num_heads // num_kv_heads
-    tile = max(1, _limits[0] // group) if _limits[0] else 1
+    tile = max(1, _limits[0] // group)  # prefill_attention.c's queries per item
     items = sum(-(-q // tile) for q in query_lens) * num_kv_heads
     total = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens)) * num_kv_heads
     costliest = max((min(q, tile) * s for q, s in zip(query_lens, seq_lens) if q), default=0)
@@ -93,7 +90,7 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     for these shapes."""
     if _kernel is None:
         raise RuntimeError("prefill_attention.unavailable() must say \"\" first")
-    tokens, heads, head_dim = q.shape
+    _, heads, head_dim = q.shape
     rows = seq_lens.shape[0]
     # What the C code trusts (the table's width against the rows' lengths is
     # cpu_kernels.Attention.plan's check, once a step).
