@@ -148,3 +148,57 @@ def test_steps_that_are_not_one_token_a_row_for_every_thread_take_the_operators(
         assert model._decode_step(one, kv) is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_whole_batchs_paging_in_one_call_gives_the_general_plans_bits(smollm2, monkeypatch):
+    """The runner's decode batch (every row of the batch, empty ones at position -1, an int32 page
+    table as wide as max_seq_len needs) takes decode_step.live_paging's one call; the same batch
+    with an int64 table takes the general plan. Same logits, same cache, step after step, and
+    the empty rows' cache untouched."""
+    rows = 6
+    model, kv, _ = _model(smollm2, rows, monkeypatch)
+    width = 512 // 64
+    table = torch.zeros(rows, width, dtype=torch.int32)
+    live = [0, 2, 3, 5]
+    for i, r in enumerate(live):
+        table[r, :4] = torch.arange(4) + 4 * i
+    lens, prompt, tokens = _inputs(len(live))
+    model.prefill_forward(prompt, table[live].long(), kv, prompt_lens=lens)
+    calls = []
+    real = decode_step.live_paging
+    monkeypatch.setattr(decode_step, "live_paging", lambda *a: calls.append(real(*a)) or calls[-1])
+    storage = torch.empty(0, dtype=BF16).set_(kv[0][0][0].untyped_storage())
+    batch_tokens = torch.zeros(rows, 1, dtype=torch.long)
+    for step in range(4):
+        positions = torch.full((rows,), -1, dtype=torch.long)
+        positions[live] = torch.tensor(lens) + step
+        batch_tokens[live] = tokens
+        before = storage.clone()
+        fast = model.decode_forward(batch_tokens, positions, table, kv)[:, 0]
+        assert calls[-1] is not None and calls[-1].rows.tolist() == live
+        fast_cache = storage.clone()
+        storage.copy_(before)
+        general = model.decode_forward(batch_tokens, positions, table.long(), kv)[:, 0]
+        assert calls[-1] is None, "an int64 table took the one-call paging"
+        assert torch.equal(fast_cache, storage), f"step {step}: the KV caches differ"
+        assert torch.equal(fast[live], general[live]), f"step {step}: logits differ"
+        tokens = general[live].argmax(-1)[:, None]
+
+
+def test_a_batch_the_one_call_paging_refuses_gets_the_general_plans_error(smollm2, monkeypatch):
+    """A position at max_seq_len or a block outside the cache: live_paging says no (None) and the
+    general plan raises what is wrong, as for any batch."""
+    model, kv, _ = _model(smollm2, 2, monkeypatch)
+    blocks = kv[0][0][0].shape[0]
+    table = torch.arange(16, dtype=torch.int32).reshape(2, 8) % blocks
+    tokens = torch.tensor([[5], [6]])
+    assert decode_step.live_paging(tokens, torch.tensor([10, 512]), table, 64, blocks, 512) is None
+    with pytest.raises(ValueError, match="beyond max_seq_len=512"):
+        model.decode_forward(tokens, torch.tensor([10, 512]), table, kv)
+    table[1, 0] = blocks
+    assert decode_step.live_paging(tokens, torch.tensor([10, 11]), table, 64, blocks, 512) is None
+    with pytest.raises(ValueError, match=rf"outside \[0, {blocks}\)"):
+        model.decode_forward(tokens, torch.tensor([10, 11]), table, kv)
+    paging = decode_step.live_paging(tokens, torch.tensor([10, -1]), table, 64, blocks, 512)
+    assert paging is not None and paging.rows.tolist() == [0] and paging.block_table.tolist() == [[0]]
+    assert paging.slots.tolist() == [10] and paging.seq_lens.tolist() == [11]

@@ -92,6 +92,52 @@ AS_VLLM_BUILDS static void add_rms_norm(uint16_t *x, uint16_t *residual, const u
 
 #endif
 
+/* A decode batch's paging for the step below, from the caller's whole batch in one call (what
+ * llama.py's general plan computes in ~25 operator calls, ~1 ms of a ~10 ms one-row step once
+ * the step's weights have swept the caches): of `rows` rows, the live ones (position >= 0) in row
+ * order into live[]; for each, its token, position, cache slot and context length (position + 1);
+ * and the live rows' block table, *width entries a row (the most blocks a live row reads): the
+ * page table's entries, those past a row's own blocks as block 0 (never read: the attention stops
+ * at the context). page_table [rows][stride] int32; block_table room for rows * stride entries.
+ * Returns the number of live rows; -1 when a position is at or past max_seq_len, -2 when a block
+ * a row reads is outside [0, cache_blocks), -3 when a row needs more than `stride` blocks: the
+ * caller takes its general path, which says which. */
+int64_t ttserve_decode_paging(int64_t rows, const int64_t *tokens, const int64_t *positions,
+                              const int32_t *page_table, int64_t stride, int64_t block_size, int64_t cache_blocks,
+                              int64_t max_seq_len, int64_t *live, int64_t *live_tokens, int64_t *live_positions,
+                              int64_t *slots, int32_t *seq_lens, int32_t *block_table, int64_t *width) {
+    int64_t n = 0, most = 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = positions[r];
+        if (pos < 0)
+            continue;
+        if (pos >= max_seq_len)
+            return -1;
+        const int64_t needed = pos / block_size + 1;
+        if (needed > stride)
+            return -3;
+        const int32_t *pt = page_table + r * stride;
+        for (int64_t b = 0; b < needed; b++)
+            if (pt[b] < 0 || pt[b] >= cache_blocks)
+                return -2;
+        most = needed > most ? needed : most;
+        live[n] = r;
+        live_tokens[n] = tokens[r];
+        live_positions[n] = pos;
+        slots[n] = (int64_t)pt[pos / block_size] * block_size + pos % block_size;
+        seq_lens[n] = (int32_t)(pos + 1);
+        n++;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *pt = page_table + live[i] * stride;
+        const int64_t needed = live_positions[i] / block_size + 1;
+        for (int64_t b = 0; b < most; b++)
+            block_table[i * most + b] = b < needed ? pt[b] : 0;
+    }
+    *width = most;
+    return n;
+}
+
 /* h [rows][hidden]: layer 0's normed input on entry, the final norm's output on return; residual
  * [rows][hidden] the residual stream (the embeddings on entry); scratch at least rows * (q/k/v
  * width + heads * head_dim + hidden + intermediate) elements. layers [num_layers][F_FIELDS];

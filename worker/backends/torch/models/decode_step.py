@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,14 +28,17 @@ _I, _P = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I,
              ctypes.c_float, ctypes.c_float]
 
+_PAGING_ARGTYPES = [_I, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P]
+
 _kernel: ctypes._CFuncPtr | None = None
+_paging: ctypes._CFuncPtr | None = None
 _fields = 0
 _why: str | None = None  # None: not tried; "": loaded; else why not
 
 
 def _load() -> str:
     """Builds and loads decode_step.c once per process; "" when it serves, else why not."""
-    global _kernel, _fields, _why
+    global _kernel, _paging, _fields, _why
     if _why is not None:
         return _why
     # The GEMM it calls needs AVX512-BF16: checked before any compile.
@@ -44,8 +48,50 @@ def _load() -> str:
         _why = library
         return _why
     _kernel = native_build.void_function(library, "ttserve_decode_step", _ARGTYPES)
+    _paging = library.ttserve_decode_paging
+    _paging.argtypes, _paging.restype = _PAGING_ARGTYPES, ctypes.c_int64
     _fields, _why = library.ttserve_decode_step_fields(), ""
     return _why
+
+
+class LivePaging(NamedTuple):
+    """A decode batch's live rows (position >= 0, in row order) and what decode_step.c reads for
+    them (DecodeStep.__call__'s positions, slots, block_table, seq_lens)."""
+    rows: torch.Tensor          # [n] int64: each live row's index in the batch
+    tokens: torch.Tensor        # [n] int64
+    positions: torch.Tensor     # [n] int64
+    slots: torch.Tensor         # [n] int64
+    block_table: torch.Tensor   # [n, blocks] int32
+    seq_lens: torch.Tensor      # [n] int32: the context after this step
+
+
+def live_paging(tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor, block_size: int,
+                cache_blocks: int, max_seq_len: int) -> LivePaging | None:
+    """decode_step.c's ttserve_decode_paging over a whole decode batch: tokens [rows, 1] and
+    positions [rows] int64 (-1: an empty row), page_table [rows, width] int32, on the CPU. None
+    when the inputs are of another kind or a row's paging is refused (a position past
+    max_seq_len, a block outside the cache): the caller's general path serves them, and says
+    which row is wrong. One call where llama.py's general plan makes ~25 (decode_step.c says why)."""
+    rows = positions.shape[0]
+    if (_paging is None or tokens.dtype != torch.int64 or positions.dtype != torch.int64
+            or page_table.dtype != torch.int32 or tokens.device.type != "cpu" or positions.device.type != "cpu"
+            or page_table.device.type != "cpu" or tokens.numel() != rows or page_table.dim() != 2
+            or page_table.shape[0] < rows or page_table.stride(1) != 1):
+        return None
+    tokens, positions = tokens.reshape(-1).contiguous(), positions.contiguous()
+    width = page_table.shape[1]
+    if page_table.stride(0) != width:
+        page_table = page_table.contiguous()
+    longs = torch.empty(5, rows, dtype=torch.int64)  # live, tokens, positions, slots, the table's width
+    ints = torch.empty(rows * (width + 1), dtype=torch.int32)  # seq_lens, then the block table
+    n = _paging(rows, tokens.data_ptr(), positions.data_ptr(), page_table.data_ptr(), width, block_size,
+                cache_blocks, max_seq_len, longs[0].data_ptr(), longs[1].data_ptr(), longs[2].data_ptr(),
+                longs[3].data_ptr(), ints.data_ptr(), ints[rows:].data_ptr(), longs[4].data_ptr())
+    if n <= 0:
+        return None
+    blocks = int(longs[4, 0])
+    return LivePaging(longs[0, :n], longs[1, :n], longs[2, :n], longs[3, :n],
+                      ints[rows:rows + n * blocks].view(n, blocks), ints[:n])
 
 
 class DecodeStep:

@@ -53,7 +53,7 @@ from safetensors import safe_open
 
 from ttserve.worker.sampling import SamplingBatch, sample
 
-from . import bf16_gemm, cpu_kernels, decode_attention, paged_kv, prefill_attention
+from . import bf16_gemm, cpu_kernels, decode_attention, decode_step, paged_kv, prefill_attention
 from .decode_graph import DecodeGraph
 from .decode_step import DecodeStep
 from .linear import BatchInvarianceError, Linear, SwiGLU, rows_invariant
@@ -550,10 +550,16 @@ class TorchLlamaForCausalLM:
         if rows > self.lanes * self.max_batch_size:
             raise ValueError(f"decode batch has {rows} rows; the model has {self.lanes} lanes of "
                              f"{self.max_batch_size}")
+        static = enable_trace and rows == self.lanes * self.max_batch_size
+        fast = None if static or page_tables_per_layer is not None else self._live_paging(
+            tokens, start_pos, page_table, kv_cache)
+        if fast is not None:
+            live, logits = fast.rows, self._fused_decode(fast, kv_cache)
+            return self._decode_output(rows, live, logits, sampling_params, read_from_device)
         pos = _long(start_pos, rows)
         live = (pos >= 0).nonzero().flatten()
         layer_tables = self._layer_tables(page_tables_per_layer)
-        if enable_trace and rows == self.lanes * self.max_batch_size:
+        if static:
             logits = self._static_decode(tokens, pos, page_table, kv_cache, layer_tables)[live.to(self.device)]
         else:
             # Only active rows are computed: on a CPU every empty row would be a full forward
@@ -568,6 +574,11 @@ class TorchLlamaForCausalLM:
             logits = self._run(tokens.cpu().long().reshape(rows, 1)[live], start, start + 1,
                                live_rows(page_table), [int(r) // self.max_batch_size for r in live],
                                kv_cache, rope_offset=self._decode_rope_offset(live), layer_tables=layer_tables)
+        return self._decode_output(rows, live, logits, sampling_params, read_from_device)
+
+    def _decode_output(self, rows: int, live: torch.Tensor, logits: torch.Tensor,
+                       sampling_params: SamplingBatch | None, read_from_device: bool) -> torch.Tensor:
+        """decode_forward's result from the live rows' logits [len(live), vocab]."""
         live_dev = live.to(logits.device)
         if sampling_params is not None:
             out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
@@ -579,6 +590,32 @@ class TorchLlamaForCausalLM:
             out = logits.new_empty(rows, 1, logits.shape[-1])
             out[live_dev, 0] = logits
         return self.read_decode_output(out) if read_from_device else out
+
+    def _live_paging(self, tokens: torch.Tensor, start_pos: torch.Tensor | Sequence[int], page_table: torch.Tensor,
+                     kv_cache: KVCache) -> decode_step.LivePaging | None:
+        """The decode batch's paging in one C call (decode_step.live_paging), when decode_step.c
+        serves the whole step: the kernels' cache, every row in lane 0, positions as sequence
+        positions (no RoPE offset), and a (row, KV head) pair for every thread. None: the general
+        path (_run), which also says what is wrong with a refused batch."""
+        if (not self.kernel_isa or not isinstance(start_pos, torch.Tensor) or start_pos.shape[0] > self.max_batch_size
+                or type(self)._decode_rope_offset is not TorchLlamaForCausalLM._decode_rope_offset
+                or not _kernel_layout(kv_cache) or self._lane_decode_step(0, kv_cache) is None):
+            return None
+        cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
+        paging = decode_step.live_paging(tokens, start_pos, page_table, block_size, cache_blocks, self.max_seq_len)
+        if paging is None or paging.rows.shape[0] * self.shape.num_kv_heads < torch.get_num_threads():
+            return None
+        return paging
+
+    def _fused_decode(self, paging: decode_step.LivePaging, kv_cache: KVCache) -> torch.Tensor:
+        """Float32 logits [live rows, vocab]: _forward_packed's decode_step.c path, from the paging
+        live_paging made instead of a packed plan."""
+        residual = F.embedding(paging.tokens, self.embed)
+        h = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, self.shape.rms_norm_eps)
+        fused = self._lane_decode_step(0, kv_cache)
+        assert fused is not None  # _live_paging asked
+        fused(h, residual, paging.positions, paging.slots, paging.block_table, paging.seq_lens)
+        return self.lm_head(h).float()
 
     @torch.inference_mode()
     def verify_forward(self, tokens: torch.Tensor, start_pos: Sequence[int] | torch.Tensor,
@@ -832,6 +869,10 @@ class TorchLlamaForCausalLM:
         if (attention.stop - attention.start != rows or rows * self.shape.num_kv_heads < torch.get_num_threads()
                 or not torch.equal(starts, torch.arange(rows + 1, dtype=starts.dtype))):
             return None
+        return self._lane_decode_step(lane, kv_cache)
+
+    def _lane_decode_step(self, lane: int, kv_cache: KVCache) -> DecodeStep | None:
+        """decode_step.c over this lane's cache, built (or refused, the reason logged) once."""
         caches = kv_cache[lane]
         key = caches[0][0].data_ptr()
         if key not in self._decode_steps:
