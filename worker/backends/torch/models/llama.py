@@ -554,8 +554,11 @@ class TorchLlamaForCausalLM:
         fast = None if static or page_tables_per_layer is not None else self._live_paging(
             tokens, start_pos, page_table, kv_cache)
         if fast is not None:
-            live, logits = fast.rows, self._fused_decode(fast, kv_cache)
-            return self._decode_output(rows, live, logits, sampling_params, read_from_device)
+            fused = self._lane_decode_step(0, kv_cache)
+            assert fused is not None  # _live_paging asked
+            logits = self._fused_forward(fused, fast.tokens, fast.positions, fast.slots, fast.block_table,
+                                         fast.seq_lens)
+            return self._decode_output(rows, fast.rows, logits, sampling_params, read_from_device)
         pos = _long(start_pos, rows)
         live = (pos >= 0).nonzero().flatten()
         layer_tables = self._layer_tables(page_tables_per_layer)
@@ -593,8 +596,8 @@ class TorchLlamaForCausalLM:
 
     def _live_paging(self, tokens: torch.Tensor, start_pos: torch.Tensor | Sequence[int], page_table: torch.Tensor,
                      kv_cache: KVCache) -> decode_step.LivePaging | None:
-        """The decode batch's paging in one C call (decode_step.live_paging), when decode_step.c
-        serves the whole step: the kernels' cache, every row in lane 0, positions as sequence
+        """The decode batch's paging in one C call (decode_step.live_paging) for _fused_forward, when
+        decode_step.c serves the whole step: the kernels' cache, every row in lane 0, positions as sequence
         positions (no RoPE offset), and a (row, KV head) pair for every thread. None: the general
         path (_run), which also says what is wrong with a refused batch."""
         if (not self.kernel_isa or not isinstance(start_pos, torch.Tensor) or start_pos.shape[0] > self.max_batch_size
@@ -607,15 +610,15 @@ class TorchLlamaForCausalLM:
             return None
         return paging
 
-    def _fused_decode(self, paging: decode_step.LivePaging, kv_cache: KVCache) -> torch.Tensor:
-        """Float32 logits [live rows, vocab]: _forward_packed's decode_step.c path, from the paging
-        live_paging made instead of a packed plan."""
-        residual = F.embedding(paging.tokens, self.embed)
+    def _fused_forward(self, fused: DecodeStep, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       last: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits of a decode-shaped step (one token a row) through decode_step.c: the
+        embedding and first norm, the layers in one call, the LM head over rows `last` (all)."""
+        residual = F.embedding(tokens, self.embed)
         h = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, self.shape.rms_norm_eps)
-        fused = self._lane_decode_step(0, kv_cache)
-        assert fused is not None  # _live_paging asked
-        fused(h, residual, paging.positions, paging.slots, paging.block_table, paging.seq_lens)
-        return self.lm_head(h).float()
+        fused(h, residual, positions, slots, block_table, seq_lens)
+        return self.lm_head(h if last is None else h[last]).float()
 
     @torch.inference_mode()
     def verify_forward(self, tokens: torch.Tensor, start_pos: Sequence[int] | torch.Tensor,
@@ -839,14 +842,14 @@ class TorchLlamaForCausalLM:
 
     def _forward_packed(self, step: _Packed, kv_cache: KVCache) -> torch.Tensor:
         """The kernels' forward: a residual stream, each RMSNorm fused with the add before it."""
-        eps = self.shape.rms_norm_eps
-        residual = F.embedding(step.tokens, self.embed)
-        h = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
         fused = self._decode_step(step, kv_cache)
         if fused is not None:
             ((_, attention),) = step.lanes
-            fused(h, residual, step.positions, attention.slots, attention.block_table, attention.seq_lens)
-            return self.lm_head(h[step.last]).float()
+            return self._fused_forward(fused, step.tokens, step.positions, attention.slots, attention.block_table,
+                                       attention.seq_lens, step.last)
+        eps = self.shape.rms_norm_eps
+        residual = F.embedding(step.tokens, self.embed)
+        h = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             a = self._attention_packed(layer, h, step, kv_cache, i)
