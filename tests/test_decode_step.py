@@ -153,10 +153,14 @@ def test_steps_that_are_not_one_token_a_row_for_every_thread_take_the_operators(
 def test_a_whole_batchs_paging_in_one_call_gives_the_general_plans_bits(smollm2, monkeypatch):
     """The runner's decode batch (every row of the batch, empty ones at position -1, an int32 page
     table as wide as max_seq_len needs) takes decode_step.live_paging's one call; the same batch
-    with an int64 table takes the general plan. Same logits, same cache, step after step, and
-    the empty rows' cache untouched."""
+    with an int64 table takes the general plan. Same logits, same cache, step after step."""
     rows = 6
     model, kv, _ = _model(smollm2, rows, monkeypatch)
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 4 live rows x 3 KV heads: a pair for every thread, so the fused step runs
+    taken = []
+    real_live_paging = model._live_paging
+    monkeypatch.setattr(model, "_live_paging", lambda *a: taken.append(real_live_paging(*a)) or taken[-1])
     width = 512 // 64
     table = torch.zeros(rows, width, dtype=torch.int32)
     live = [0, 2, 3, 5]
@@ -176,6 +180,7 @@ def test_a_whole_batchs_paging_in_one_call_gives_the_general_plans_bits(smollm2,
         before = storage.clone()
         fast = model.decode_forward(batch_tokens, positions, table, kv)[:, 0]
         assert calls[-1] is not None and calls[-1].rows.tolist() == live
+        assert taken[-1] is calls[-1], "the one-call paging was made but the step took the general plan"
         fast_cache = storage.clone()
         storage.copy_(before)
         general = model.decode_forward(batch_tokens, positions, table.long(), kv)[:, 0]
@@ -183,6 +188,7 @@ def test_a_whole_batchs_paging_in_one_call_gives_the_general_plans_bits(smollm2,
         assert torch.equal(fast_cache, storage), f"step {step}: the KV caches differ"
         assert torch.equal(fast[live], general[live]), f"step {step}: logits differ"
         tokens = general[live].argmax(-1)[:, None]
+    torch.set_num_threads(before_threads)
 
 
 def test_a_batch_the_one_call_paging_refuses_gets_the_general_plans_error(smollm2, monkeypatch):
@@ -199,6 +205,19 @@ def test_a_batch_the_one_call_paging_refuses_gets_the_general_plans_error(smollm
     assert decode_step.live_paging(tokens, torch.tensor([10, 11]), table, 64, blocks, 512) is None
     with pytest.raises(ValueError, match=rf"outside \[0, {blocks}\)"):
         model.decode_forward(tokens, torch.tensor([10, 11]), table, kv)
+    narrow = table[:, :2].contiguous()  # position 200 reads a fourth block
+    assert decode_step.live_paging(tokens, torch.tensor([10, 200]), narrow, 64, blocks, 512) is None
+    with pytest.raises(ValueError, match="page_table has 2 blocks per row"):
+        model.decode_forward(tokens, torch.tensor([10, 200]), narrow, kv)
+    for empty in (torch.tensor([-1, -1]), torch.tensor([], dtype=torch.long)):  # nothing live, no rows
+        assert decode_step.live_paging(tokens[:len(empty)], empty, table, 64, blocks, 512) is None
+    assert decode_step.live_paging(tokens.reshape(1, 2), torch.tensor([10, 11]), table, 64, blocks, 512) is None
     paging = decode_step.live_paging(tokens, torch.tensor([10, -1]), table, 64, blocks, 512)
     assert paging is not None and paging.rows.tolist() == [0] and paging.block_table.tolist() == [[0]]
     assert paging.slots.tolist() == [10] and paging.seq_lens.tolist() == [11]
+    table[1, :3] = torch.tensor([5, 6, 7]) % blocks
+    assert int(table[0, 1]) != 0
+    paging = decode_step.live_paging(tokens, torch.tensor([10, 100]), table, 64, blocks, 512)
+    # Row 1 reads two blocks, row 0 one: the table is two wide, row 0's second entry block 0.
+    assert paging.block_table.tolist() == [[int(table[0, 0]), 0], [int(table[1, 0]), int(table[1, 1])]]
+    assert paging.slots.tolist() == [int(table[0, 0]) * 64 + 10, int(table[1, 1]) * 64 + 36]

@@ -72,11 +72,13 @@ def live_paging(tokens: torch.Tensor, positions: torch.Tensor, page_table: torch
     when the inputs are of another kind or a row's paging is refused (a position past
     max_seq_len, a block outside the cache): the caller's general path serves them, and says
     which row is wrong. One call where llama.py's general plan makes ~25 (decode_step.c says why)."""
+    if positions.dim() != 1 or not positions.shape[0]:
+        return None
     rows = positions.shape[0]
     if (_paging is None or tokens.dtype != torch.int64 or positions.dtype != torch.int64
             or page_table.dtype != torch.int32 or tokens.device.type != "cpu" or positions.device.type != "cpu"
-            or page_table.device.type != "cpu" or tokens.numel() != rows or page_table.dim() != 2
-            or page_table.shape[0] < rows or page_table.stride(1) != 1):
+            or page_table.device.type != "cpu" or tuple(tokens.shape) not in ((rows, 1), (rows,))
+            or page_table.dim() != 2 or page_table.shape[0] < rows or page_table.stride(1) != 1):
         return None
     tokens, positions = tokens.reshape(-1).contiguous(), positions.contiguous()
     width = page_table.shape[1]

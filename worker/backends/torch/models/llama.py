@@ -600,7 +600,8 @@ class TorchLlamaForCausalLM:
         decode_step.c serves the whole step: the kernels' cache, every row in lane 0, positions as sequence
         positions (no RoPE offset), and a (row, KV head) pair for every thread. None: the general
         path (_run), which also says what is wrong with a refused batch."""
-        if (not self.kernel_isa or not isinstance(start_pos, torch.Tensor) or start_pos.shape[0] > self.max_batch_size
+        if (not self.kernel_isa or not isinstance(start_pos, torch.Tensor) or start_pos.dim() != 1
+                or start_pos.shape[0] > self.max_batch_size
                 or type(self)._decode_rope_offset is not TorchLlamaForCausalLM._decode_rope_offset
                 or not _kernel_layout(kv_cache) or self._lane_decode_step(0, kv_cache) is None):
             return None
@@ -799,8 +800,8 @@ class TorchLlamaForCausalLM:
         s = self.shape
         rows = torch.arange(batch)
         positions = start.long()
+        table = _block_table(pt, end, block_size, cache_blocks)  # first: it says which row's table is short
         slots = pt[rows, positions // block_size] * block_size + positions % block_size
-        table = _block_table(pt, end, block_size, cache_blocks)
         return _Packed(chunk_tokens[:, 0], positions, rows, [(lane, cpu_kernels.Attention.plan(
             0, batch, slots, torch.ones(batch, dtype=torch.long), end, table, s.num_heads, s.num_kv_heads,
             s.head_dim, block_size, self.dtype, self.kernel_isa, kv_split=not self.batch_invariant,
