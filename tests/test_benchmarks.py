@@ -37,6 +37,7 @@ EXPECTED = {
     "spec_decode.py": [r'"copy_speedup_ratio": [0-9.]+', r'"open_speedup_ratio": [0-9.]+',
                        r'"random_speedup_ratio": [0-9.]+', r'"identical_tokens": true',
                        r'"acceptance_per_position": \[\s*[0-9.]'],
+    "cuda_graph_decode.py": [r'"skipped": "no CUDA device here"|"graph_speedup": [0-9.]+'],
     "weight_bound.py": [r'"bound_ms": [0-9.]+', r'"gb_per_s": [0-9.]+', r'"step_over_bound": [0-9.]+|"skipped"'],
     # A CPU without AVX512-BF16 cannot run ttserve's GEMM: the benchmark says so.
     "gemm.py": [r'"onednn_over_ttserve": [0-9.]+|"skipped": "'],
