@@ -66,8 +66,8 @@ def step_against_bound(model_path: Path, config: dict, bound_pass, repeats: int,
     model = TorchLlamaForCausalLM.initialize_vllm_model(config, "cpu", max_num_seqs, context + repeats + 8,
                                                         model_path=str(model_path), dtype=torch.bfloat16)
     blocks = -(-(context + repeats + 8) // block)
-    kv = model.allocate_kv_cache((blocks + 1, config.get("num_key_value_heads", config["num_attention_heads"]),
-                                  block, model.shape.head_dim), torch.bfloat16, config["num_hidden_layers"])
+    kv = model.allocate_kv_cache((blocks + 1, model.shape.num_kv_heads, block, model.shape.head_dim), torch.bfloat16,
+                                 model.shape.num_layers)
     table = torch.zeros(max_num_seqs, blocks, dtype=torch.int32)
     table[0] = torch.arange(blocks, dtype=torch.int32)
     tokens = torch.zeros(max_num_seqs, 1, dtype=torch.long)
@@ -102,7 +102,8 @@ def main() -> int:
         args.repeats, args.step = 3, True
     from ttserve.worker.planning.model_prepare import resolve_model
 
-    config = json.loads((Path(resolve_model(args.model)) / "config.json").read_text())
+    model_path = Path(resolve_model(args.model))
+    config = json.loads((model_path / "config.json").read_text())
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     shapes = weight_shapes(config)
     generator = torch.Generator().manual_seed(0)
@@ -134,7 +135,7 @@ def main() -> int:
             if kernel != "ttserve_bf16_gemm":
                 report["step"] = {"skipped": f"the bound's kernel here is {kernel}, not the one the step runs"}
             else:
-                step = step_against_bound(Path(resolve_model(args.model)), config,
+                step = step_against_bound(model_path, config,
                                           lambda: best_pass(gemms, rows, lambda x, h: h(x), 1),
                                           args.repeats, args.context, args.max_num_seqs)
                 # As vs_vllm.py divides a TPOT median: the step's median over the fastest pass seen.

@@ -152,15 +152,14 @@ def test_steps_that_are_not_one_token_a_row_for_every_thread_take_the_operators(
 
 def test_a_whole_batchs_paging_in_one_call_gives_the_general_plans_bits(smollm2, monkeypatch):
     """The runner's decode batch (every row of the batch, empty ones at position -1, an int32 page
-    table as wide as max_seq_len needs) takes decode_step.live_paging's one call; the same batch
-    with an int64 table takes the general plan. Same logits, same cache, step after step."""
+    table as wide as max_seq_len needs) takes decode_step.live_paging's one call into the fused
+    step; the same batch with an int64 table takes the general plan. Same logits, same cache,
+    step after step."""
     rows = 6
     model, kv, _ = _model(smollm2, rows, monkeypatch)
-    before_threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # 4 live rows x 3 KV heads: a pair for every thread, so the fused step runs
     taken = []
-    real_live_paging = model._live_paging
-    monkeypatch.setattr(model, "_live_paging", lambda *a: taken.append(real_live_paging(*a)) or taken[-1])
+    real = model._fused_batch_decode
+    monkeypatch.setattr(model, "_fused_batch_decode", lambda *a: taken.append(real(*a)) or taken[-1])
     width = 512 // 64
     table = torch.zeros(rows, width, dtype=torch.int32)
     live = [0, 2, 3, 5]
@@ -168,27 +167,27 @@ def test_a_whole_batchs_paging_in_one_call_gives_the_general_plans_bits(smollm2,
         table[r, :4] = torch.arange(4) + 4 * i
     lens, prompt, tokens = _inputs(len(live))
     model.prefill_forward(prompt, table[live].long(), kv, prompt_lens=lens)
-    calls = []
-    real = decode_step.live_paging
-    monkeypatch.setattr(decode_step, "live_paging", lambda *a: calls.append(real(*a)) or calls[-1])
     storage = torch.empty(0, dtype=BF16).set_(kv[0][0][0].untyped_storage())
     batch_tokens = torch.zeros(rows, 1, dtype=torch.long)
-    for step in range(4):
-        positions = torch.full((rows,), -1, dtype=torch.long)
-        positions[live] = torch.tensor(lens) + step
-        batch_tokens[live] = tokens
-        before = storage.clone()
-        fast = model.decode_forward(batch_tokens, positions, table, kv)[:, 0]
-        assert calls[-1] is not None and calls[-1].rows.tolist() == live
-        assert taken[-1] is calls[-1], "the one-call paging was made but the step took the general plan"
-        fast_cache = storage.clone()
-        storage.copy_(before)
-        general = model.decode_forward(batch_tokens, positions, table.long(), kv)[:, 0]
-        assert calls[-1] is None, "an int64 table took the one-call paging"
-        assert torch.equal(fast_cache, storage), f"step {step}: the KV caches differ"
-        assert torch.equal(fast[live], general[live]), f"step {step}: logits differ"
-        tokens = general[live].argmax(-1)[:, None]
-    torch.set_num_threads(before_threads)
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 4 live rows x 3 KV heads: a pair for every thread, so the fused step runs
+    try:
+        for step in range(4):
+            positions = torch.full((rows,), -1, dtype=torch.long)
+            positions[live] = torch.tensor(lens) + step
+            batch_tokens[live] = tokens
+            before = storage.clone()
+            fast = model.decode_forward(batch_tokens, positions, table, kv)[:, 0]
+            assert taken[-1] is not None and taken[-1][0].tolist() == live, "the step took the general plan"
+            fast_cache = storage.clone()
+            storage.copy_(before)
+            general = model.decode_forward(batch_tokens, positions, table.long(), kv)[:, 0]
+            assert taken[-1] is None, "an int64 table took the one-call paging"
+            assert torch.equal(fast_cache, storage), f"step {step}: the KV caches differ"
+            assert torch.equal(fast[live], general[live]), f"step {step}: logits differ"
+            tokens = general[live].argmax(-1)[:, None]
+    finally:
+        torch.set_num_threads(before_threads)
 
 
 def test_a_batch_the_one_call_paging_refuses_gets_the_general_plans_error(smollm2, monkeypatch):

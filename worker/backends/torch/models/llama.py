@@ -551,14 +551,10 @@ class TorchLlamaForCausalLM:
             raise ValueError(f"decode batch has {rows} rows; the model has {self.lanes} lanes of "
                              f"{self.max_batch_size}")
         static = enable_trace and rows == self.lanes * self.max_batch_size
-        fast = None if static or page_tables_per_layer is not None else self._live_paging(
+        fast = None if static or page_tables_per_layer is not None else self._fused_batch_decode(
             tokens, start_pos, page_table, kv_cache)
         if fast is not None:
-            fused = self._lane_decode_step(0, kv_cache)
-            assert fused is not None  # _live_paging asked
-            logits = self._fused_forward(fused, fast.tokens, fast.positions, fast.slots, fast.block_table,
-                                         fast.seq_lens)
-            return self._decode_output(rows, fast.rows, logits, sampling_params, read_from_device)
+            return self._decode_output(rows, *fast, sampling_params, read_from_device)
         pos = _long(start_pos, rows)
         live = (pos >= 0).nonzero().flatten()
         layer_tables = self._layer_tables(page_tables_per_layer)
@@ -594,22 +590,27 @@ class TorchLlamaForCausalLM:
             out[live_dev, 0] = logits
         return self.read_decode_output(out) if read_from_device else out
 
-    def _live_paging(self, tokens: torch.Tensor, start_pos: torch.Tensor | Sequence[int], page_table: torch.Tensor,
-                     kv_cache: KVCache) -> decode_step.LivePaging | None:
-        """The decode batch's paging in one C call (decode_step.live_paging) for _fused_forward, when
-        decode_step.c serves the whole step: the kernels' cache, every row in lane 0, positions as sequence
-        positions (no RoPE offset), and a (row, KV head) pair for every thread. None: the general
-        path (_run), which also says what is wrong with a refused batch."""
+    def _fused_batch_decode(self, tokens: torch.Tensor, start_pos: torch.Tensor | Sequence[int],
+                            page_table: torch.Tensor, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(live rows, their logits) of the decode batch through decode_step.c, its paging made in
+        one C call (decode_step.live_paging), when decode_step.c serves the whole step: the kernels'
+        cache, every row in lane 0, positions as sequence positions (no RoPE offset), and a (row,
+        KV head) pair for every thread. None: the general path (_run), which also says what is
+        wrong with a refused batch."""
         if (not self.kernel_isa or not isinstance(start_pos, torch.Tensor) or start_pos.dim() != 1
                 or start_pos.shape[0] > self.max_batch_size
                 or type(self)._decode_rope_offset is not TorchLlamaForCausalLM._decode_rope_offset
-                or not _kernel_layout(kv_cache) or self._lane_decode_step(0, kv_cache) is None):
+                or not _kernel_layout(kv_cache)):
+            return None
+        fused = self._lane_decode_step(0, kv_cache)
+        if fused is None:
             return None
         cache_blocks, _, block_size, _ = kv_cache[0][0][0].shape
         paging = decode_step.live_paging(tokens, start_pos, page_table, block_size, cache_blocks, self.max_seq_len)
         if paging is None or paging.rows.shape[0] * self.shape.num_kv_heads < torch.get_num_threads():
             return None
-        return paging
+        return paging.rows, self._fused_forward(fused, paging.tokens, paging.positions, paging.slots,
+                                                paging.block_table, paging.seq_lens)
 
     def _fused_forward(self, fused: DecodeStep, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        block_table: torch.Tensor, seq_lens: torch.Tensor,
