@@ -18,6 +18,13 @@
  * over them measured no faster at 2048 rows on the 2-core EPYC: its L3 serves them.) A row's
  * outputs are summed in one order, input pair after input pair, whatever the number of rows or
  * threads: a row's bits never depend on the other rows of the GEMM (batch invariant).
+ * Between one row block and a prefill's many, a GEMM is bound by neither the weight read nor the
+ * arithmetic alone but by their sum: a tile's first block waits on memory, its others on the
+ * FMA units. So from 2 to 8 blocks, the first block of each tile prefetches the next tile (the
+ * next item of the thread's share, usually) into L2 as it goes, two lines per input pair: on the
+ * 2-core EPYC, SmolLM2's layers took 5-15% less time at 24-48 rows (16 rows: 12 + 4, no worse),
+ * none at 1-12 rows (one block: nothing to overlap) or 128 (compute-bound; the prefetched tile
+ * would wait in L2 behind many blocks' activations).
  * Accumulation is float32 (VDPBF16PS: products of bfloat16 pairs added to float32, subnormal
  * inputs and results as zero), the bias is added in float32, and the result is rounded to
  * bfloat16 to nearest even, once (VCVTNE2PS2BF16: subnormal results as zero).
@@ -38,6 +45,7 @@
 
 #define TILE_N 32
 #define ROWS 12 /* rows per register pass: 24 accumulators, 2 weight vectors, a broadcast */
+#define PREFETCH_MAX_BLOCKS 8 /* rows up to 96: the next tile stays in L2 until its turn */
 
 enum { PLAIN = 0, GLU_SILU = 1, GLU_GELU_TANH = 2 };
 
@@ -74,7 +82,7 @@ static inline __m512 load_bias16(const uint16_t *bias, int64_t at, int64_t n) {
  * through one tile. */
 static inline __attribute__((always_inline)) void tile_rows(
     const int MR, const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-    uint16_t *y, int64_t y_stride, int64_t tile, int64_t n, int64_t k, int epilogue) {
+    uint16_t *y, int64_t y_stride, int64_t tile, int64_t n, int64_t k, int epilogue, const uint16_t *next) {
     __m512 a0[ROWS], a1[ROWS];
     for (int m = 0; m < MR; m++) {
         a0[m] = _mm512_setzero_ps();
@@ -84,6 +92,10 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int64_t p = 0; p < pairs; p++) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * 2 * TILE_N);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * 2 * TILE_N + TILE_N);
+        if (next) { /* the next tile's two lines for this pair, into L2 */
+            __builtin_prefetch((const char *)(next + p * 2 * TILE_N), 0, 2);
+            __builtin_prefetch((const char *)(next + p * 2 * TILE_N) + 64, 0, 2);
+        }
         for (int m = 0; m < MR; m++) {
             int32_t pair; /* two bf16 inputs; memcpy: x is 2-byte aligned and not an int32 object */
             memcpy(&pair, x + m * x_stride + 2 * p, sizeof pair);
@@ -120,9 +132,10 @@ static inline __attribute__((always_inline)) void tile_rows(
 }
 
 static void row_block(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                      int64_t y_stride, int64_t rows, int64_t tile, int64_t n, int64_t k, int epilogue) {
+                      int64_t y_stride, int64_t rows, int64_t tile, int64_t n, int64_t k, int epilogue,
+                      const uint16_t *next) {
     switch (rows < ROWS ? rows : ROWS) {
-#define CASE(MR) case MR: tile_rows(MR, x, x_stride, w, bias, y, y_stride, tile, n, k, epilogue); break;
+#define CASE(MR) case MR: tile_rows(MR, x, x_stride, w, bias, y, y_stride, tile, n, k, epilogue, next); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #undef CASE
     }
@@ -150,6 +163,8 @@ void ttserve_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pack
     const int64_t items = tiles * blocks;
     int64_t chunk = items / (8 * omp_get_max_threads());
     chunk = chunk < 1 ? 1 : chunk > blocks ? blocks : chunk;
+    /* The block that prefetches the next tile (the top: from 2 to PREFETCH_MAX_BLOCKS blocks). */
+    const int64_t prefetch_block = blocks >= 2 && blocks <= PREFETCH_MAX_BLOCKS ? 0 : -1;
     work_shares shares;
     shares_init(&shares, items, chunk);
 #pragma omp parallel
@@ -157,9 +172,10 @@ void ttserve_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pack
         int64_t from = 0, lo, hi;
         while (shares_take(&shares, &from, &lo, &hi))
             for (int64_t item = lo; item < hi; item++) {
-                const int64_t tile = item / blocks, r = item % blocks * ROWS;
+                const int64_t tile = item / blocks, b = item % blocks, r = b * ROWS;
+                const uint16_t *next = b == prefetch_block && tile + 1 < tiles ? packed + (tile + 1) * k * TILE_N : NULL;
                 row_block(x + r * x_stride, x_stride, packed + tile * k * TILE_N, bias, y + r * y_stride, y_stride,
-                          rows - r, tile, n, k, epilogue);
+                          rows - r, tile, n, k, epilogue, next);
             }
     }
 #endif
