@@ -111,8 +111,8 @@ class Server:
         return sum(self._each_process(lambda p: p.memory_full_info().pss / GIB, by_pid=True).values())
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds (user + system) so far per process of the server."""
-        return self._each_process(lambda p: sum(p.cpu_times()[:2]), by_pid=False)
+        """CPU seconds so far per process of the server."""
+        return self._each_process(cpu_seconds, by_pid=False)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -123,6 +123,11 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def cpu_seconds(p: psutil.Process) -> float:
+    """CPU seconds (user + system) a process has spent so far."""
+    return sum(p.cpu_times()[:2])
 
 
 def _label(p: psutil.Process) -> str:
@@ -193,8 +198,8 @@ class BenchClient:
         return rc, (self._tail(log_from) if rc else "")
 
     def cpu_seconds(self) -> float:
-        """CPU seconds (user + system) so far of the client's process."""
-        return sum(psutil.Process(self.proc.pid).cpu_times()[:2])
+        """CPU seconds so far of the client's process."""
+        return cpu_seconds(psutil.Process(self.proc.pid))
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -163,8 +163,8 @@ void ttserve_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pack
     const int64_t items = tiles * blocks;
     int64_t chunk = items / (8 * omp_get_max_threads());
     chunk = chunk < 1 ? 1 : chunk > blocks ? blocks : chunk;
-    /* The block that prefetches the next tile (the top: from 2 to PREFETCH_MAX_BLOCKS blocks). */
-    const int64_t prefetch_block = blocks >= 2 && blocks <= PREFETCH_MAX_BLOCKS ? 0 : -1;
+    /* Whether each tile's first block prefetches the next tile (the top says when). */
+    const int prefetch = blocks >= 2 && blocks <= PREFETCH_MAX_BLOCKS;
     work_shares shares;
     shares_init(&shares, items, chunk);
 #pragma omp parallel
@@ -173,7 +173,7 @@ void ttserve_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pack
         while (shares_take(&shares, &from, &lo, &hi))
             for (int64_t item = lo; item < hi; item++) {
                 const int64_t tile = item / blocks, b = item % blocks, r = b * ROWS;
-                const uint16_t *next = b == prefetch_block && tile + 1 < tiles ? packed + (tile + 1) * k * TILE_N : NULL;
+                const uint16_t *next = prefetch && b == 0 && tile + 1 < tiles ? packed + (tile + 1) * k * TILE_N : NULL;
                 row_block(x + r * x_stride, x_stride, packed + tile * k * TILE_N, bias, y + r * y_stride, y_stride,
                           rows - r, tile, n, k, epilogue, next);
             }
